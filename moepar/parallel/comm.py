@@ -1,0 +1,348 @@
+"""Autograd collectives over explicit process groups, with byte/time accounting.
+
+Every function takes ``group``; ``None`` (or a group of one rank) makes it a no-op that
+issues no communication call. Each forward collective's backward is its mirror
+(all-to-all <-> reverse all-to-all, all-gather <-> split or reduce-scatter, ...).
+
+Byte counts follow nccl-tests' "size" column, per rank: all-reduce = tensor bytes;
+all-gather = output (gathered) bytes; reduce-scatter = input bytes; all-to-all = this
+rank's send-buffer bytes. The cost model (``moepar.cost``) turns them into bus bytes.
+Legend: N rows (tokens or routes), D features, P group size.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import time
+from typing import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+@dataclasses.dataclass
+class CommEvent:
+    op: str            # all_reduce | all_gather | reduce_scatter | all_to_all
+    group_size: int
+    nbytes: int
+    seconds: float
+    backward: bool
+
+
+class CommStats:
+    """Collects ``CommEvent``s; ``summary()`` groups them by (op, phase)."""
+
+    def __init__(self) -> None:
+        self.events: list[CommEvent] = []
+
+    def add(self, event: CommEvent) -> None:
+        self.events.append(event)
+
+    def reset(self) -> None:
+        self.events.clear()
+
+    def count(self, op: str | None = None, backward: bool | None = None) -> int:
+        return sum(1 for e in self.events
+                   if (op is None or e.op == op) and (backward is None or e.backward == backward))
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out: dict[str, dict[str, float]] = {}
+        for e in self.events:
+            key = f"{e.op}.{'bwd' if e.backward else 'fwd'}"
+            row = out.setdefault(key, {"calls": 0, "bytes": 0, "seconds": 0.0})
+            row["calls"] += 1
+            row["bytes"] += e.nbytes
+            row["seconds"] += e.seconds
+        return out
+
+    def seconds(self, op: str | None = None) -> float:
+        return sum(e.seconds for e in self.events if op is None or e.op == op)
+
+    def nbytes(self, op: str | None = None) -> int:
+        return sum(e.nbytes for e in self.events if op is None or e.op == op)
+
+
+_LISTENERS: list[CommStats] = []
+
+
+@contextlib.contextmanager
+def track() -> Iterator[CommStats]:
+    """Record every collective issued (forward and backward) inside the block."""
+    stats = CommStats()
+    _LISTENERS.append(stats)
+    try:
+        yield stats
+    finally:
+        _LISTENERS.remove(stats)
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _timed(op: str, group, nbytes: int, backward: bool, fn) -> None:
+    sync = torch.cuda.is_available() and os.environ.get("MOEPAR_TIME_COMM") == "1"
+    if sync:
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    if sync:
+        torch.cuda.synchronize()
+    event = CommEvent(op, group_size(group), nbytes, time.perf_counter() - t0, backward)
+    for listener in _LISTENERS:
+        listener.add(event)
+
+
+# ---- raw collectives (no autograd), each recorded -------------------------------------
+
+def all_reduce_(t: torch.Tensor, group, op=dist.ReduceOp.SUM, backward: bool = False) -> torch.Tensor:
+    """In-place all-reduce of ``t``; bytes = t bytes."""
+    if group_size(group) > 1:
+        _timed("all_reduce", group, _nbytes(t), backward, lambda: dist.all_reduce(t, op=op, group=group))
+    return t
+
+
+def _is_gloo(group) -> bool:
+    return dist.get_backend(group) == "gloo"
+
+
+def _all_gather_equal(x: torch.Tensor, group, backward: bool) -> list[torch.Tensor]:
+    """Equal-shape all-gather; bytes = P * x bytes. Gloo gets the list form."""
+    size = group_size(group)
+    x = x.contiguous()
+    if _is_gloo(group):
+        parts = [torch.empty_like(x) for _ in range(size)]
+        fn = lambda: dist.all_gather(parts, x, group=group)  # noqa: E731
+        _timed("all_gather", group, size * _nbytes(x), backward, fn)
+        return parts
+    flat = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    fn = lambda: dist.all_gather_into_tensor(flat, x, group=group)  # noqa: E731
+    _timed("all_gather", group, _nbytes(flat), backward, fn)
+    return list(flat.chunk(size))
+
+
+def all_gather_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = None,
+                    backward: bool = False) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0; uneven ``sizes`` are padded to the max."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if sizes is None or len(set(sizes)) == 1:
+        return torch.cat(_all_gather_equal(x, group, backward), dim=0)
+    top = max(sizes)
+    padded = x.new_zeros((top,) + tuple(x.shape[1:]))
+    padded[: x.shape[0]] = x
+    parts = _all_gather_equal(padded, group, backward)
+    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+
+
+def reduce_scatter_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = None,
+                        backward: bool = False) -> torch.Tensor:
+    """Sum ``x`` [N, ...] over the group and keep this rank's row block (``sizes`` or N/P)."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    if sizes is None:
+        if x.shape[0] % size:
+            raise ValueError(f"reduce-scatter of {x.shape[0]} rows is not divisible by group size {size}")
+        sizes = [x.shape[0] // size] * size
+    top = max(sizes)
+    chunks = list(torch.split(x, list(sizes), dim=0))
+    if len(set(sizes)) > 1:
+        chunks = [torch.cat([c, c.new_zeros((top - c.shape[0],) + tuple(c.shape[1:]))]) for c in chunks]
+    chunks = [c.contiguous() for c in chunks]
+    out = torch.empty_like(chunks[0])
+    _timed("reduce_scatter", group, size * _nbytes(out), backward,
+           lambda: dist.reduce_scatter(out, chunks, group=group))
+    return out[: sizes[group_rank(group)]]
+
+
+def all_to_all_rows(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None,
+                    input_split_sizes: Sequence[int] | None, backward: bool = False) -> torch.Tensor:
+    """All-to-all-v along dim 0; bytes = this rank's send buffer."""
+    size = group_size(group)
+    if size == 1:
+        return x
+    x = x.contiguous()
+    if output_split_sizes is None:
+        rows = x.shape[0]
+    else:
+        rows = int(sum(output_split_sizes))
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    in_s = None if input_split_sizes is None else [int(s) for s in input_split_sizes]
+    out_s = None if output_split_sizes is None else [int(s) for s in output_split_sizes]
+    _timed("all_to_all", group, _nbytes(x), backward,
+           lambda: dist.all_to_all_single(out, x, out_s, in_s, group=group))
+    return out
+
+
+# ---- autograd functions ---------------------------------------------------------------
+
+def _move_first(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x if dim == 0 else x.movedim(dim, 0)
+
+
+def _move_back(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x if dim == 0 else x.movedim(0, dim)
+
+
+def _own_rows(x: torch.Tensor, group, sizes: Sequence[int] | None) -> torch.Tensor:
+    size, rank = group_size(group), group_rank(group)
+    if sizes is None:
+        if x.shape[0] % size:
+            raise ValueError(f"cannot split {x.shape[0]} rows evenly over a group of {size} ranks")
+        n = x.shape[0] // size
+        return x[rank * n:(rank + 1) * n]
+    start = sum(sizes[:rank])
+    return x[start:start + sizes[rank]]
+
+
+class _CopyToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce_(g.contiguous().clone(), ctx.group, backward=True), None
+
+
+class _ReduceFromRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce_(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _Split(torch.autograd.Function):
+    """Forward: keep own block along dim; backward: all-gather the blocks."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return _move_back(_own_rows(_move_first(x, dim), group, sizes), dim).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        full = all_gather_rows(_move_first(g, ctx.dim), ctx.group, ctx.sizes, backward=True)
+        return _move_back(full, ctx.dim), None, None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: all-gather along dim; backward: keep own block (replicated downstream)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return _move_back(all_gather_rows(_move_first(x, dim), group, sizes), dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        own = _own_rows(_move_first(g, ctx.dim), ctx.group, ctx.sizes)
+        return _move_back(own, ctx.dim).contiguous(), None, None, None
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: all-gather along dim; backward: reduce-scatter (sequence parallelism)."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return _move_back(all_gather_rows(_move_first(x, dim), group, sizes), dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        own = reduce_scatter_rows(_move_first(g, ctx.dim), ctx.group, ctx.sizes, backward=True)
+        return _move_back(own, ctx.dim), None, None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    """Forward: reduce-scatter along dim; backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, group, dim, sizes):
+        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
+        return _move_back(reduce_scatter_rows(_move_first(x, dim), group, sizes), dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        full = all_gather_rows(_move_first(g, ctx.dim), ctx.group, ctx.sizes, backward=True)
+        return _move_back(full, ctx.dim), None, None, None
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, output_split_sizes, input_split_sizes):
+        ctx.group, ctx.out_s, ctx.in_s = group, output_split_sizes, input_split_sizes
+        return all_to_all_rows(x, group, output_split_sizes, input_split_sizes)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True), None, None, None
+
+
+def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
+    """Identity forward, all-reduce of the gradient backward (entering a TP region)."""
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+
+
+def reduce_from_region(x: torch.Tensor, group) -> torch.Tensor:
+    """All-reduce forward (bytes = x bytes), identity backward (leaving a TP region)."""
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+
+
+def scatter_to_region(x: torch.Tensor, group, dim: int = -1,
+                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Keep this rank's block of ``dim`` (even, or ``sizes``); backward all-gathers."""
+    return x if group_size(group) == 1 else _Split.apply(x, group, dim % x.dim(), _tuple(sizes))
+
+
+def gather_from_region(x: torch.Tensor, group, dim: int = -1,
+                       sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """All-gather along ``dim``; backward keeps this rank's block of the gradient."""
+    return x if group_size(group) == 1 else _Gather.apply(x, group, dim % x.dim(), _tuple(sizes))
+
+
+def gather_from_sequence_region(x: torch.Tensor, group, dim: int = 0,
+                                sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """All-gather along the sequence ``dim``; backward reduce-scatters the gradient."""
+    return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim % x.dim(), _tuple(sizes))
+
+
+def reduce_scatter_to_region(x: torch.Tensor, group, dim: int = 0,
+                             sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """Reduce-scatter along ``dim``; backward all-gathers the gradient."""
+    return x if group_size(group) == 1 else _ReduceScatter.apply(x, group, dim % x.dim(), _tuple(sizes))
+
+
+def all_to_all(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None = None,
+               input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
+    """All-to-all-v of the rows of ``x``: row block i goes to rank i (``input_split_sizes``),
+    block j of the output came from rank j (``output_split_sizes``); ``None`` = even split.
+    Backward is the reverse all-to-all."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes))
+
+
+def _tuple(sizes: Sequence[int] | None) -> tuple[int, ...] | None:
+    return None if sizes is None else tuple(int(s) for s in sizes)
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """Near-even split of ``n`` rows into ``parts`` blocks, larger blocks first."""
+    base, extra = divmod(n, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]

@@ -1,0 +1,282 @@
+"""Process-group layout for tensor, data and expert parallelism ("MoE parallel folding").
+
+Dense layers see the world as ``tp x dp`` with consecutive ranks forming a TP group:
+``rank = dp_rank * tp + tp_rank``. Expert layers fold the same ranks into
+``etp x ep x edp``, expert-TP fastest, then expert-parallel:
+``rank = edp_rank * (ep * etp) + ep_rank * etp + etp_rank`` (Megatron-Core's MoE parallel
+folding: the expert layout is independent of the dense one, only both must tile the world).
+
+Everything above ``ParallelState`` is pure rank arithmetic, testable without processes.
+``init_parallel`` creates the ``torch.distributed`` groups for this rank. In moepar a group
+of ``None`` means "this rank alone" (never "the world", unlike torch's own default), so a
+single process without ``torch.distributed`` is a valid world of one everywhere.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+# Megatron's offset between the data-parallel and the model-parallel seed.
+MODEL_PARALLEL_SEED_OFFSET = 2718
+
+
+def _check_positive(**sizes: int) -> None:
+    for name, value in sizes.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """How ``world_size`` ranks fold into tp/dp (dense) and etp/ep/edp (experts)."""
+
+    world_size: int
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def __post_init__(self) -> None:
+        _check_positive(world_size=self.world_size, tensor_parallel_size=self.tp,
+                        expert_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
+        if self.world_size % self.tp:
+            raise ValueError(
+                f"world_size={self.world_size} is not divisible by tensor_parallel_size={self.tp}: "
+                f"dense layers need world_size = tensor_parallel_size x data_parallel_size")
+        if self.world_size % (self.ep * self.etp):
+            raise ValueError(
+                f"world_size={self.world_size} is not divisible by expert_parallel_size={self.ep} x "
+                f"expert_tensor_parallel_size={self.etp} = {self.ep * self.etp}: expert layers need "
+                f"world_size = ep x etp x expert_data_parallel_size")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def edp(self) -> int:
+        return self.world_size // (self.ep * self.etp)
+
+    def tp_groups(self) -> list[list[int]]:
+        return [[d * self.tp + t for t in range(self.tp)] for d in range(self.dp)]
+
+    def dp_groups(self) -> list[list[int]]:
+        return [[d * self.tp + t for d in range(self.dp)] for t in range(self.tp)]
+
+    def etp_groups(self) -> list[list[int]]:
+        return [[b * self.etp + t for t in range(self.etp)] for b in range(self.world_size // self.etp)]
+
+    def ep_groups(self) -> list[list[int]]:
+        block = self.ep * self.etp
+        return [[d * block + e * self.etp + t for e in range(self.ep)]
+                for d in range(self.edp) for t in range(self.etp)]
+
+    def edp_groups(self) -> list[list[int]]:
+        block = self.ep * self.etp
+        return [[d * block + j for d in range(self.edp)] for j in range(block)]
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's index inside each of its groups."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank} is outside the world of {self.world_size} ranks")
+        block = self.ep * self.etp
+        return {"tp": rank % self.tp, "dp": rank // self.tp,
+                "etp": rank % self.etp, "ep": (rank % block) // self.etp, "edp": rank // block}
+
+    def all_groups(self) -> dict[str, list[list[int]]]:
+        return {"tp": self.tp_groups(), "dp": self.dp_groups(), "etp": self.etp_groups(),
+                "ep": self.ep_groups(), "edp": self.edp_groups()}
+
+
+class RNGTracker:
+    """A second RNG stream (the model-parallel one) swapped in by ``fork()``.
+
+    Megatron keeps a CUDA RNG state per region; here the same idea covers the CPU default
+    generator and, when present, the current CUDA device, so dropout inside TP regions
+    differs across TP ranks while dropout outside them matches.
+    """
+
+    def __init__(self, seed: int):
+        self.seed = seed
+        saved_cpu = torch.get_rng_state()
+        saved_cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        torch.manual_seed(seed)
+        self._cpu = torch.get_rng_state()
+        self._cuda = torch.cuda.get_rng_state() if saved_cuda is not None else None
+        torch.set_rng_state(saved_cpu)
+        if saved_cuda is not None:
+            torch.cuda.set_rng_state(saved_cuda)
+
+    @contextlib.contextmanager
+    def fork(self) -> Iterator[None]:
+        saved_cpu = torch.get_rng_state()
+        saved_cuda = torch.cuda.get_rng_state() if self._cuda is not None else None
+        torch.set_rng_state(self._cpu)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state(self._cuda)
+        try:
+            yield
+        finally:
+            self._cpu = torch.get_rng_state()
+            torch.set_rng_state(saved_cpu)
+            if self._cuda is not None:
+                self._cuda = torch.cuda.get_rng_state()
+                torch.cuda.set_rng_state(saved_cuda)
+
+
+@dataclasses.dataclass
+class ParallelState:
+    """This rank's view of the layout: groups (``None`` = alone), ranks, sizes, seeds.
+
+    Also answers DeepSpeed's ``mpu`` and Megatron's ``parallel_state`` method names, so it
+    can be passed where those libraries expect an ``mpu`` object.
+    """
+
+    layout: Layout
+    rank: int = 0
+    groups: dict[str, object | None] = dataclasses.field(default_factory=dict)
+    seed: int = 1234
+    rng: RNGTracker | None = None
+
+    @classmethod
+    def single(cls, seed: int = 1234) -> "ParallelState":
+        return cls(Layout(1), 0, {k: None for k in ("tp", "dp", "etp", "ep", "edp")}, seed)
+
+    # sizes and ranks
+    def size(self, kind: str) -> int:
+        return {"tp": self.layout.tp, "dp": self.layout.dp, "etp": self.layout.etp,
+                "ep": self.layout.ep, "edp": self.layout.edp, "world": self.layout.world_size}[kind]
+
+    def rank_in(self, kind: str) -> int:
+        return self.rank if kind == "world" else self.layout.coords(self.rank)[kind]
+
+    def group(self, kind: str):
+        return self.groups.get(kind)
+
+    tp_size = property(lambda self: self.layout.tp)
+    dp_size = property(lambda self: self.layout.dp)
+    ep_size = property(lambda self: self.layout.ep)
+    etp_size = property(lambda self: self.layout.etp)
+    edp_size = property(lambda self: self.layout.edp)
+    world_size = property(lambda self: self.layout.world_size)
+    tp_rank = property(lambda self: self.rank_in("tp"))
+    dp_rank = property(lambda self: self.rank_in("dp"))
+    ep_rank = property(lambda self: self.rank_in("ep"))
+    etp_rank = property(lambda self: self.rank_in("etp"))
+    edp_rank = property(lambda self: self.rank_in("edp"))
+    tp_group = property(lambda self: self.group("tp"))
+    dp_group = property(lambda self: self.group("dp"))
+    ep_group = property(lambda self: self.group("ep"))
+    etp_group = property(lambda self: self.group("etp"))
+    edp_group = property(lambda self: self.group("edp"))
+
+    @property
+    def model_parallel_seed(self) -> int:
+        return self.seed + MODEL_PARALLEL_SEED_OFFSET + self.tp_rank
+
+    @property
+    def data_parallel_seed(self) -> int:
+        return self.seed
+
+    @contextlib.contextmanager
+    def fork_model_parallel_rng(self) -> Iterator[None]:
+        """Use the model-parallel RNG stream inside the block (dropout in TP regions)."""
+        if self.rng is None:
+            self.rng = RNGTracker(self.model_parallel_seed)
+        with self.rng.fork():
+            yield
+
+    # DeepSpeed mpu names (model parallel = tensor parallel here: no pipeline stages).
+    def get_model_parallel_rank(self) -> int: return self.tp_rank
+    def get_model_parallel_world_size(self) -> int: return self.tp_size
+    def get_model_parallel_group(self): return self.tp_group
+    def get_data_parallel_rank(self) -> int: return self.dp_rank
+    def get_data_parallel_world_size(self) -> int: return self.dp_size
+    def get_data_parallel_group(self): return self.dp_group
+    # Megatron parallel_state names.
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+    get_tensor_model_parallel_group = get_model_parallel_group
+    def get_pipeline_model_parallel_rank(self) -> int: return 0
+    def get_pipeline_model_parallel_world_size(self) -> int: return 1
+    def get_expert_model_parallel_rank(self) -> int: return self.ep_rank
+    def get_expert_model_parallel_world_size(self) -> int: return self.ep_size
+    def get_expert_model_parallel_group(self): return self.ep_group
+    def get_expert_tensor_parallel_rank(self) -> int: return self.etp_rank
+    def get_expert_tensor_parallel_world_size(self) -> int: return self.etp_size
+    def get_expert_tensor_parallel_group(self): return self.etp_group
+    def get_expert_data_parallel_rank(self) -> int: return self.edp_rank
+    def get_expert_data_parallel_world_size(self) -> int: return self.edp_size
+    def get_expert_data_parallel_group(self): return self.edp_group
+
+    def describe(self) -> str:
+        return (f"initializing model parallel with size {self.tp_size}: global rank {self.rank}, "
+                f"tp rank {self.tp_rank}, ep rank {self.ep_rank}, dp rank {self.dp_rank}, "
+                f"model parallel seed {self.model_parallel_seed}, "
+                f"data parallel seed {self.data_parallel_seed}")
+
+
+_STATE: ParallelState | None = None
+
+
+def world() -> tuple[int, int]:
+    """(rank, world_size) of torch.distributed, or (0, 1) when it is not initialised."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
+                  expert_tensor_parallel_size: int | None = None, seed: int = 1234,
+                  verbose: bool = True) -> ParallelState:
+    """Create this rank's tp/dp/ep/etp/edp groups and seed the RNGs the Megatron way.
+
+    Call after ``torch.distributed.init_process_group`` (every rank, same arguments), or
+    with no process group at all for a world of one. ``expert_tensor_parallel_size=None``
+    means 1: each expert whole on one rank, as in DeepSpeed-MoE (Megatron defaults it to
+    the dense TP size; pass it explicitly for that). Raises ``ValueError`` on every rank,
+    before creating any group, when the sizes do not tile the world.
+    """
+    global _STATE
+    etp = 1 if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    _check_positive(tensor_parallel_size=tensor_parallel_size,
+                    expert_parallel_size=expert_parallel_size, expert_tensor_parallel_size=etp)
+    rank, world_size = world()
+    if world_size == 1 and max(tensor_parallel_size, expert_parallel_size, etp) > 1 and not (
+            dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"tensor_parallel_size={tensor_parallel_size}, expert_parallel_size={expert_parallel_size}, "
+            f"expert_tensor_parallel_size={etp} need torch.distributed to be initialised "
+            f"(launch with torchrun and call torch.distributed.init_process_group first); "
+            f"without it the world has 1 rank and every size must be 1")
+    layout = Layout(world_size, tensor_parallel_size, expert_parallel_size, etp)
+    groups: dict[str, object | None] = {}
+    for kind, rank_lists in layout.all_groups().items():
+        groups[kind] = None
+        if len(rank_lists[0]) == 1:
+            continue  # size-1 groups are never created: every collective on them is a no-op
+        for ranks in rank_lists:  # every rank creates every group, in the same order
+            g = dist.new_group(ranks)
+            if rank in ranks:
+                groups[kind] = g
+    state = ParallelState(layout, rank, groups, seed)
+    torch.manual_seed(state.data_parallel_seed)
+    state.rng = RNGTracker(state.model_parallel_seed)
+    if verbose:
+        print(state.describe(), flush=True)
+    _STATE = state
+    return state
+
+
+def get_parallel_state() -> ParallelState:
+    """The state from the last ``init_parallel``, or a world of one if none was made."""
+    return _STATE if _STATE is not None else ParallelState.single()
+
+
+def reset_parallel_state() -> None:
+    """Forget the last ``init_parallel`` (groups are left to torch.distributed)."""
+    global _STATE
+    _STATE = None

@@ -1,0 +1,229 @@
+"""Tensor-parallel layers (Megatron style): column/row-sliced linears, vocab-parallel
+embedding and cross-entropy.
+
+Every weight is cut from the full master weight, drawn with the given ``init_seed`` (or
+the default RNG), so models built with the same seed at TP=1 and TP=n hold the same
+global weights. Collectives per call, bytes per rank (T tokens, O/I features, b dtype bytes):
+ColumnParallel: bwd all-reduce of dX [T, I] (or SP: fwd all-gather / bwd reduce-scatter of X);
+RowParallel: fwd all-reduce of Y [T, O] (or SP: fwd reduce-scatter / bwd all-gather).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import comm
+from .groups import ParallelState, get_parallel_state
+
+
+def _divide(total: int, parts: int, what: str) -> int:
+    if total % parts:
+        raise ValueError(f"{what}={total} is not divisible by tensor_parallel_size={parts}")
+    return total // parts
+
+
+def _master(shape: tuple[int, ...], fan_in: int, init_std: float | None,
+            init_seed: int | None, is_bias: bool = False) -> torch.Tensor:
+    """The full (unsliced) parameter, identical on every rank for a given seed."""
+    gen = None
+    if init_seed is not None:
+        gen = torch.Generator().manual_seed(init_seed + (7919 if is_bias else 0))
+    out = torch.empty(shape)
+    if init_std is None:  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
+        bound = 1.0 / math.sqrt(fan_in)
+        return out.uniform_(-bound, bound, generator=gen)
+    if is_bias:
+        return out.zero_()
+    return out.normal_(0.0, init_std, generator=gen)
+
+
+class _TPModule(nn.Module):
+    def _setup(self, state: ParallelState | None) -> None:
+        self.state = state if state is not None else get_parallel_state()
+        self.group = self.state.tp_group
+        self.tp_size = self.state.tp_size
+        self.tp_rank = self.state.tp_rank
+
+
+class ColumnParallelLinear(_TPModule):
+    """Y = X A^T + b with A split by output rows: each rank holds ``out_features/tp`` outputs.
+
+    ``gather_output`` all-gathers Y to full width; otherwise Y stays sliced (feed it to a
+    ``RowParallelLinear`` with ``input_is_parallel=True``). ``sequence_parallel`` means X
+    arrives split along ``sequence_dim`` and is all-gathered first.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 gather_output: bool = False, sequence_parallel: bool = False, sequence_dim: int = 0,
+                 init_std: float | None = None, init_seed: int | None = None,
+                 state: ParallelState | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self._setup(state)
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = _divide(out_features, self.tp_size, "out_features")
+        self.gather_output, self.sequence_parallel, self.sequence_dim = gather_output, sequence_parallel, sequence_dim
+        rows = slice(self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank)
+        w = _master((out_features, in_features), in_features, init_std, init_seed)[rows]
+        self.weight = nn.Parameter(w.clone().to(dtype) if dtype else w.clone())
+        self.weight.tensor_model_parallel = True  # Megatron's marker: sliced, not replicated
+        self.weight.partition_dim = 0
+        if bias:
+            b = _master((out_features,), in_features, init_std, init_seed, is_bias=True)[rows]
+            self.bias = nn.Parameter(b.clone().to(dtype) if dtype else b.clone())
+            self.bias.tensor_model_parallel = True
+            self.bias.partition_dim = 0
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
+        if self.sequence_parallel:
+            x = comm.gather_from_sequence_region(x, self.group, dim=self.sequence_dim)
+        else:
+            x = comm.copy_to_region(x, self.group)
+        y = F.linear(x, self.weight, self.bias)
+        if self.gather_output:
+            y = comm.gather_from_region(y, self.group, dim=-1)
+        return y
+
+
+class RowParallelLinear(_TPModule):
+    """Y = X A^T + b with A split by input columns; partial products all-reduced.
+
+    ``input_is_parallel`` means X is already sliced along its last dim (the usual case
+    after a ``ColumnParallelLinear``); otherwise it is split here. With
+    ``sequence_parallel`` the sum is reduce-scattered along ``sequence_dim``.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, sequence_dim: int = 0,
+                 init_std: float | None = None, init_seed: int | None = None,
+                 state: ParallelState | None = None, dtype: torch.dtype | None = None):
+        super().__init__()
+        self._setup(state)
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = _divide(in_features, self.tp_size, "in_features")
+        self.input_is_parallel, self.sequence_parallel, self.sequence_dim = (
+            input_is_parallel, sequence_parallel, sequence_dim)
+        cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
+        w = _master((out_features, in_features), in_features, init_std, init_seed)[:, cols]
+        self.weight = nn.Parameter(w.clone().to(dtype) if dtype else w.clone())
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim = 1
+        if bias:  # replicated: added once, after the reduction
+            b = _master((out_features,), in_features, init_std, init_seed, is_bias=True)
+            self.bias = nn.Parameter(b.to(dtype) if dtype else b)
+            # With SP each rank adds the bias to its own tokens only: its gradient must be
+            # summed over the TP group (Megatron marks such params the same way).
+            self.bias.sequence_parallel = sequence_parallel
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            if x.shape[-1] != self.in_features:
+                raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
+            x = comm.scatter_to_region(x, self.group, dim=-1)
+        elif x.shape[-1] != self.in_per_rank:
+            raise ValueError(f"input last dim {x.shape[-1]} != in_features/tp = {self.in_per_rank} "
+                             f"(input_is_parallel=True expects the rank's slice)")
+        y = F.linear(x, self.weight)
+        if self.sequence_parallel:
+            y = comm.reduce_scatter_to_region(y, self.group, dim=self.sequence_dim)
+        else:
+            y = comm.reduce_from_region(y, self.group)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(_TPModule):
+    """Embedding table split by vocabulary rows; each rank looks up the ids it owns and the
+    partial embeddings are all-reduced (bytes = T*D*b), or reduce-scattered along
+    ``sequence_dim`` with sequence parallelism."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float | None = 0.02,
+                 init_seed: int | None = None, sequence_parallel: bool = False, sequence_dim: int = 0,
+                 state: ParallelState | None = None):
+        super().__init__()
+        self._setup(state)
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.per_rank = _divide(num_embeddings, self.tp_size, "num_embeddings")
+        self.vocab_start = self.tp_rank * self.per_rank
+        self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
+        std = 1.0 if init_std is None else init_std  # nn.Embedding's default is N(0, 1)
+        gen = None if init_seed is None else torch.Generator().manual_seed(init_seed)
+        w = torch.empty(num_embeddings, embedding_dim).normal_(0.0, std, generator=gen)
+        self.weight = nn.Parameter(w[self.vocab_start:self.vocab_start + self.per_rank].clone())
+        self.weight.tensor_model_parallel = True
+        self.weight.partition_dim = 0
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"token ids must be int32/int64, got {ids.dtype}")
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.per_rank)
+        emb = F.embedding(local.masked_fill(outside, 0), self.weight)
+        emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return comm.reduce_scatter_to_region(emb, self.group, dim=self.sequence_dim)
+        return comm.reduce_from_region(emb, self.group)
+
+
+class _VocabParallelCE(torch.autograd.Function):
+    """Cross-entropy over logits split by vocab; 3 all-reduces forward (max, target logit,
+    sum exp: 3*T*4 bytes), none backward: d logits = softmax - onehot(target)."""
+
+    @staticmethod
+    def forward(ctx, logits, target, group, vocab_start, ignore_index):
+        logits = logits.float()
+        local_max = logits.max(dim=-1).values
+        comm.all_reduce_(local_max, group, op=torch.distributed.ReduceOp.MAX)
+        shifted = logits - local_max.unsqueeze(-1)
+        local_t = target - vocab_start
+        inside = (local_t >= 0) & (local_t < logits.shape[-1])
+        idx = local_t.clamp(0, logits.shape[-1] - 1)
+        tgt = shifted.gather(-1, idx.unsqueeze(-1)).squeeze(-1) * inside
+        comm.all_reduce_(tgt, group)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        comm.all_reduce_(sum_exp, group)
+        loss = sum_exp.log() - tgt
+        valid = target != ignore_index
+        loss = loss * valid
+        softmax = exp / sum_exp.unsqueeze(-1)
+        ctx.save_for_backward(softmax, idx, inside & valid, valid)
+        return loss
+
+    @staticmethod
+    def backward(ctx, g):
+        softmax, idx, hit, valid = ctx.saved_tensors
+        grad = softmax * valid.unsqueeze(-1)
+        grad.scatter_add_(-1, idx.unsqueeze(-1), -hit.unsqueeze(-1).to(grad.dtype))
+        return grad * g.unsqueeze(-1), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
+                                 state: ParallelState | None = None, reduction: str = "mean",
+                                 ignore_index: int = -100) -> torch.Tensor:
+    """``F.cross_entropy`` for logits [..., V/tp] split by vocab over the TP group.
+
+    ``reduction``: "none" (per token, fp32), "sum" or "mean" (over non-ignored tokens).
+    """
+    state = state if state is not None else get_parallel_state()
+    if reduction not in ("none", "sum", "mean"):
+        raise ValueError(f"reduction={reduction!r} must be 'none', 'sum' or 'mean'")
+    if logits.shape[:-1] != target.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and target {tuple(target.shape)} "
+                         f"must agree on every dim but the last")
+    vocab_start = state.tp_rank * logits.shape[-1]
+    loss = _VocabParallelCE.apply(logits, target, state.tp_group, vocab_start, ignore_index)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum().clamp(min=1)

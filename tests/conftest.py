@@ -1,0 +1,17 @@
+"""Shared test setup: Triton runs in its interpreter on CPU (set before any kernel is
+defined, and inherited by the gloo worker processes), few threads, fixed seeds."""
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _reset_moepar_state():
+    from moepar.parallel import groups
+    groups.reset_parallel_state()
+    torch.manual_seed(0)
+    yield
+    groups.reset_parallel_state()
