@@ -1,0 +1,352 @@
+"""Fused top-k routing: scores, top-k selection, weight normalisation and the per-expert
+route histogram in one launch, plus its torch reference (the path off CUDA).
+
+Legend: T tokens, E experts, K routes per token (top-k), P programs of the launch.
+
+Semantics (kernel and reference alike):
+
+* ``score_func``: ``"softmax"`` (softmax over E, top-k, weight = score), ``"sigmoid"``
+  (weight = sigmoid(logit)) or ``"softmax_after_topk"`` (top-k on the logits, the k
+  weights are a softmax over the k selected logits; always sums to 1).
+* Selection key: the logits themselves when there is no ``expert_bias_E`` (softmax and
+  sigmoid are monotone, so this is top-k of the scores without the rounding ties that
+  saturated sigmoids or underflowed softmax values would add); with a bias it is
+  ``score + bias`` (``logit + bias`` for softmax_after_topk). The bias never enters the
+  weights. Equal keys break toward the lower expert index.
+* ``normalize`` divides the k weights by their sum (+1e-20); then ``scaling_factor``.
+* A row with any non-finite logit gets experts 0..K-1 (distinct and valid) with NaN
+  weights: its output turns NaN downstream instead of silently routing to expert 0.
+* The histogram counts every selected route (capacity drops are the router's business).
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is Linux-only; the reference still works without it
+    triton = None
+    tl = None
+
+SCORE_FUNCS = ("softmax", "sigmoid", "softmax_after_topk")
+MAX_EXPERTS = 512   # the kernel keeps a row of next_pow2(E) scores in registers
+MAX_K = 16
+_NORM_EPS = 1e-20   # guards a k-sum of sigmoids that all underflowed to 0
+_FLT_MAX = 3.4028234663852886e38
+
+if triton is not None:
+    # jit code may only read constexpr globals.
+    _NEG_FLT_MAX_C = tl.constexpr(-_FLT_MAX)
+    _NORM_EPS_C = tl.constexpr(_NORM_EPS)
+
+    @triton.jit
+    def _routing_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, hist_ptr,
+                        T, E, stride_t, scaling,
+                        K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+        # SCORE: 0 softmax, 1 sigmoid, 2 softmax_after_topk. Each program walks row blocks
+        # pid, pid + P, ... and keeps its own expert histogram, written once at the end
+        # into hist_ptr[pid, :E] (no atomics: summed by the launcher, deterministic).
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        cols = tl.arange(0, BLOCK_E)
+        kcols = tl.arange(0, BLOCK_K)
+        col_ok = cols < E
+        k_ok = kcols < K
+        if HAS_BIAS:
+            bias_E = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+        hist_E = tl.zeros([BLOCK_E], dtype=tl.int32)
+        nblocks = tl.cdiv(T, BLOCK_T)
+        for blk in range(pid, nblocks, nprog):
+            rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
+            row_ok = rows < T
+            row_off = rows.to(tl.int64) * stride_t
+            mask = row_ok[:, None] & col_ok[None, :]
+            x = tl.load(logits_ptr + row_off[:, None] + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+            bad_TE = (x != x) | (x == float("inf")) | (x == float("-inf"))
+            bad_T = tl.max(bad_TE.to(tl.int32), axis=1) > 0
+            # Bad rows become all-zero logits: every key ties, so they pick experts 0..K-1.
+            x = tl.where(bad_T[:, None], 0.0, x)
+            x = tl.where(col_ok[None, :], x, float("-inf"))
+            if SCORE == 0:
+                row_max = tl.max(x, axis=1)
+                ex = tl.exp(x - row_max[:, None])       # padding columns: exp(-inf) = 0
+                row_sum = tl.sum(ex, axis=1)
+            if HAS_BIAS:
+                if SCORE == 0:
+                    key = ex / row_sum[:, None] + bias_E[None, :]
+                elif SCORE == 1:
+                    key = tl.sigmoid(x) + bias_E[None, :]
+                else:
+                    key = x + bias_E[None, :]
+                key = tl.where(bad_T[:, None], 0.0, key)
+            else:
+                key = x
+            # Valid keys are clamped to >= -FLT_MAX (a NaN or -inf bias must neither win
+            # nor tie with a taken column); taken and padding columns hold -inf.
+            key = tl.where((key != key) | (key == float("-inf")), _NEG_FLT_MAX_C, key)
+            key = tl.where(col_ok[None, :], key, float("-inf"))
+            ids_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.int32)
+            val_TK = tl.zeros([BLOCK_T, BLOCK_K], dtype=tl.float32)
+            for j in tl.static_range(K):
+                # One reduction gives the max and its lowest column index (tie-break left).
+                best, idx = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
+                if HAS_BIAS:
+                    # The key is score+bias: re-read the selected logit (an L1 hit).
+                    val = tl.load(logits_ptr + row_off + idx, mask=row_ok, other=0.0).to(tl.float32)
+                    val = tl.where(bad_T, 0.0, val)       # bad rows: weights become NaN below
+                else:
+                    val = best                            # the key is the logit itself
+                key = tl.where(cols[None, :] == idx[:, None], float("-inf"), key)
+                ids_TK = tl.where(kcols[None, :] == j, idx[:, None], ids_TK)
+                val_TK = tl.where(kcols[None, :] == j, val[:, None], val_TK)
+            taken = (key == float("-inf")) & mask
+            hist_E += tl.sum(taken.to(tl.int32), axis=0)
+            if SCORE == 2:
+                top = tl.max(tl.where(k_ok[None, :], val_TK, float("-inf")), axis=1)
+                ew = tl.where(k_ok[None, :], tl.exp(val_TK - top[:, None]), 0.0)
+                w = ew / tl.sum(ew, axis=1)[:, None]
+            else:
+                if SCORE == 0:
+                    w = tl.exp(val_TK - row_max[:, None]) / row_sum[:, None]
+                else:
+                    w = tl.sigmoid(val_TK)
+                w = tl.where(k_ok[None, :], w, 0.0)
+                if NORMALIZE:
+                    w = w / (tl.sum(w, axis=1)[:, None] + _NORM_EPS_C)
+            w = w * scaling
+            w = tl.where(bad_T[:, None], float("nan"), w)
+            out = rows.to(tl.int64)[:, None] * K + kcols[None, :]
+            omask = row_ok[:, None] & k_ok[None, :]
+            tl.store(ids_ptr + out, ids_TK.to(tl.int64), mask=omask)
+            tl.store(weights_ptr + out, w, mask=omask)
+        tl.store(hist_ptr + pid.to(tl.int64) * E + cols, hist_E, mask=col_ok)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _check(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
+           max_experts: int | None = None, max_k: int | None = None) -> None:
+    if logits_TE.dim() != 2:
+        raise ValueError(f"logits must be 2-D [T, E], got shape {tuple(logits_TE.shape)}")
+    E = logits_TE.shape[1]
+    if not logits_TE.is_floating_point():
+        raise ValueError(f"logits must be floating point, got {logits_TE.dtype}")
+    if E < 1:
+        raise ValueError(f"num_experts={E} (logits.shape[1]) must be >= 1")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > E:
+        raise ValueError(f"k={k!r} must be an integer with 1 <= k <= num_experts={E}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func={score_func!r} must be one of {SCORE_FUNCS}")
+    if max_experts is not None and E > max_experts:
+        raise ValueError(f"num_experts={E} exceeds the routing kernel's limit of {max_experts}")
+    if max_k is not None and k > max_k:
+        raise ValueError(f"k={k} exceeds the routing kernel's limit of {max_k}")
+    if expert_bias_E is not None:
+        if tuple(expert_bias_E.shape) != (E,):
+            raise ValueError(f"expert_bias must have shape [{E}], got {tuple(expert_bias_E.shape)}")
+        if expert_bias_E.device != logits_TE.device:
+            raise ValueError(f"expert_bias is on {expert_bias_E.device} but logits are on {logits_TE.device}")
+
+
+def _block_t(E: int) -> int:
+    block_e = _next_pow2(E)
+    if _interpreting():   # the interpreter pays per op, not per element: big tiles
+        return max(1, min(4096, (1 << 20) // block_e))
+    return max(1, min(128, 4096 // block_e))   # ~4k fp32 per tile in registers
+
+
+def _launch(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
+            normalize: bool, scaling_factor: float, block_t: int, num_warps: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    T, E = logits_TE.shape
+    dev = logits_TE.device
+    ids_TK = torch.empty((T, k), dtype=torch.int64, device=dev)
+    weights_TK = torch.empty((T, k), dtype=torch.float32, device=dev)
+    if T == 0:
+        return ids_TK, weights_TK, torch.zeros(E, dtype=torch.int64, device=dev)
+    logits_TE = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
+    bias = expert_bias_E.contiguous() if expert_bias_E is not None else logits_TE  # dummy ptr
+    block_t = block_t if block_t > 0 else _block_t(E)
+    block_e = _next_pow2(E)
+    nblocks = triton.cdiv(T, block_t)
+    if dev.type == "cuda":
+        sms = torch.cuda.get_device_properties(dev).multi_processor_count
+        grid = min(nblocks, 8 * sms)
+    else:
+        grid = min(nblocks, 4)   # interpreter: a few programs still exercise the block loop
+    hist_PE = torch.empty((grid, E), dtype=torch.int32, device=dev)
+    _routing_kernel[(grid,)](
+        logits_TE, bias, ids_TK, weights_TK, hist_PE, T, E, logits_TE.stride(0), float(scaling_factor),
+        K=k, SCORE=SCORE_FUNCS.index(score_func), HAS_BIAS=expert_bias_E is not None,
+        NORMALIZE=bool(normalize), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(k),
+        num_warps=num_warps if num_warps > 0 else 4)   # untuned default: see the bench's --tune
+    return ids_TK, weights_TK, hist_PE.sum(0, dtype=torch.int64)
+
+
+@torch.library.custom_op("moepar::routing", mutates_args=())
+def _routing_op(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
+                normalize: bool, scaling_factor: float, block_t: int, num_warps: int
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, block_t, num_warps)
+
+
+@_routing_op.register_fake
+def _(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, block_t, num_warps):
+    T, E = logits_TE.shape
+    return (logits_TE.new_empty((T, k), dtype=torch.int64), logits_TE.new_empty((T, k), dtype=torch.float32),
+            logits_TE.new_empty((E,), dtype=torch.int64))
+
+
+def _setup_context(ctx, inputs, output):
+    logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, block_t, num_warps = inputs
+    ctx.save_for_backward(logits_TE, output[0])
+    ctx.score_func, ctx.normalize, ctx.scaling = score_func, normalize, scaling_factor
+
+
+def _backward(ctx, grad_ids, grad_weights_TK, grad_hist):
+    logits_TE, ids_TK = ctx.saved_tensors
+    if grad_weights_TK is None:
+        return None, None, None, None, None, None, None, None
+    grad = routing_backward(logits_TE, ids_TK, grad_weights_TK, ctx.score_func, ctx.normalize, ctx.scaling)
+    return grad, None, None, None, None, None, None, None
+
+
+_routing_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def routing_backward(logits_TE: torch.Tensor, ids_TK: torch.Tensor, grad_weights_TK: torch.Tensor,
+                     score_func: str, normalize: bool, scaling_factor: float) -> torch.Tensor:
+    """Gradient of the routing weights w.r.t. the logits, in torch: the k selected
+    weights are a function of the whole row (softmax) or of their own logit (sigmoid)."""
+    x = logits_TE.float()
+    gw = grad_weights_TK.float() * scaling_factor
+    if score_func == "softmax_after_topk":
+        p = torch.softmax(x.gather(1, ids_TK), dim=-1)
+        g_sel = p * (gw - (gw * p).sum(-1, keepdim=True))
+        return torch.zeros_like(x).scatter(1, ids_TK, g_sel).to(logits_TE.dtype)
+    s = torch.softmax(x, dim=-1) if score_func == "softmax" else torch.sigmoid(x)
+    sel = s.gather(1, ids_TK)
+    if normalize:   # w_j = sel_j / S:  dL/dsel_i = (g_i - sum_j g_j sel_j / S) / S
+        denom = sel.sum(-1, keepdim=True) + _NORM_EPS
+        gw = (gw - (gw * sel).sum(-1, keepdim=True) / denom) / denom
+    g_s = torch.zeros_like(s).scatter(1, ids_TK, gw)
+    if score_func == "softmax":
+        g_x = s * (g_s - (g_s * s).sum(-1, keepdim=True))
+    else:
+        g_x = g_s * s * (1 - s)
+    return g_x.to(logits_TE.dtype)
+
+
+def routing(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
+            expert_bias_E: Optional[torch.Tensor] = None, normalize: bool = False,
+            scaling_factor: float = 1.0, *, block_t: int | None = None, num_warps: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Fused routing on CUDA (or CPU under ``TRITON_INTERPRET=1``).
+
+    Returns ``(expert_ids_TK int64, weights_TK fp32, tokens_per_expert_E int64)``;
+    differentiable w.r.t. ``logits_TE`` through the weights (``moepar::routing`` custom
+    op, traceable by ``torch.compile``). ``block_t`` (rows per tile) and ``num_warps``
+    override the launch heuristics (tuning only).
+    """
+    if triton is None:
+        raise ValueError("the routing kernel needs triton; use routing_reference instead")
+    _check(logits_TE, k, score_func, expert_bias_E, MAX_EXPERTS, MAX_K)
+    if logits_TE.device.type != "cuda" and not _interpreting():
+        raise ValueError(f"the routing kernel needs CUDA tensors (got {logits_TE.device}) "
+                         f"or TRITON_INTERPRET=1 set before import; use routing_reference")
+    if block_t is not None and (block_t < 1 or block_t & (block_t - 1)):
+        raise ValueError(f"block_t={block_t} must be a positive power of two")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16")
+    if expert_bias_E is not None:
+        expert_bias_E = expert_bias_E.float()
+    return _routing_op(logits_TE, k, score_func, expert_bias_E, bool(normalize), float(scaling_factor),
+                       int(block_t or 0), int(num_warps or 0))
+
+
+def _scores(x_TE: torch.Tensor, score_func: str) -> torch.Tensor:
+    return torch.sigmoid(x_TE) if score_func == "sigmoid" else torch.softmax(x_TE, dim=-1)
+
+
+def _sanitize(key_TE: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isnan(key_TE) | (key_TE == float("-inf")),
+                       torch.full_like(key_TE, -_FLT_MAX), key_TE)
+
+
+def _topk_lowest_index(key_TE: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k ids, equal keys broken toward the lower index: k rounds of argmax (which
+    returns the first maximal index) on a copy whose taken entries become -inf (valid
+    keys are finite or +inf, never -inf). Cheaper than a stable sort for small k."""
+    key_TE = key_TE.clone()
+    ids = []
+    for j in range(k):
+        idx_T1 = key_TE.argmax(dim=-1, keepdim=True)
+        ids.append(idx_T1)
+        if j + 1 < k:
+            key_TE.scatter_(1, idx_T1, float("-inf"))
+    return torch.cat(ids, dim=1)
+
+
+def _group_mask(aff_TE: torch.Tensor, k: int, num_groups: int, topk_groups: int) -> torch.Tensor:
+    """[T, E] bool: experts of each token's ``topk_groups`` best groups. A group's score
+    is the sum of its top ``max(1, k // topk_groups)`` affinities (capped at the group
+    size; DeepSeek-V3: k=8, 4 of 8 groups, top-2 sum); ties pick the lower group."""
+    T, E = aff_TE.shape
+    per = E // num_groups
+    top = min(per, max(1, k // topk_groups))
+    g_TG = aff_TE.view(T, num_groups, per).topk(top, dim=-1).values.sum(-1)
+    best_TM = torch.sort(g_TG, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+    keep_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=aff_TE.device).scatter(1, best_TM, True)
+    return keep_TG.repeat_interleave(per, dim=1)
+
+
+def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
+                      expert_bias_E: Optional[torch.Tensor] = None, normalize: bool = False,
+                      scaling_factor: float = 1.0, *, num_groups: int | None = None,
+                      topk_groups: int | None = None, selection_noise_TE: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch routing with the kernel's semantics (autograd through the weights).
+
+    Reference-only extras (the router's CPU path): group-limited selection
+    (``num_groups``/``topk_groups``) and ``selection_noise_TE`` added to the logits used
+    for selection only (Gumbel "rsample" noise); the weights use the clean logits.
+    """
+    _check(logits_TE, k, score_func, expert_bias_E)
+    x = logits_TE.float()
+    T, E = x.shape
+    bad_T = ~torch.isfinite(x).all(dim=-1)
+    xs = x if selection_noise_TE is None else x + selection_noise_TE.float()
+    if expert_bias_E is not None or num_groups is not None:
+        aff = xs if score_func == "softmax_after_topk" else _scores(xs, score_func)
+        if expert_bias_E is not None:
+            aff = aff + expert_bias_E.float()
+        aff = _sanitize(torch.where(bad_T[:, None], torch.zeros_like(aff), aff))
+    # Bad rows: all keys equal, so they take experts 0..K-1 (their weights become NaN).
+    key = torch.where(bad_T[:, None], torch.zeros_like(xs), xs) if expert_bias_E is None else aff
+    if num_groups is not None:
+        keep = _group_mask(aff, k, num_groups, topk_groups if topk_groups is not None else num_groups)
+        key = torch.where(keep, key, torch.full_like(key, float("-inf")))
+    ids_TK = _topk_lowest_index(key.detach(), k)
+    if score_func == "softmax_after_topk":
+        w = torch.softmax(x.gather(1, ids_TK), dim=-1)
+    else:
+        w = _scores(x, score_func).gather(1, ids_TK)
+        if normalize:
+            w = w / (w.sum(-1, keepdim=True) + _NORM_EPS)
+    w = w * scaling_factor
+    w = torch.where(bad_T[:, None], torch.full_like(w, float("nan")), w)
+    hist_E = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
+        0, ids_TK.reshape(-1), torch.ones(T * k, dtype=torch.int64, device=x.device))
+    return ids_TK, w, hist_E

@@ -1,0 +1,402 @@
+"""The MoE gate: ``TopKRouter(x_TD) -> Routing``.
+
+Legend: T tokens, D hidden, E experts, K routes per token (top-k), N = T*K routes,
+B sequences (per-sequence aux loss), G expert groups.
+
+The gate linear runs in fp32 whatever the input dtype. Scores, top-k, weight
+normalisation and the route histogram come from ``moepar_kernels.routing`` (one Triton
+launch on CUDA, its torch reference elsewhere); capacity drops and the aux / z losses are
+computed here in torch. Capacity and drops always use this rank's tokens only; the aux and
+z statistics cover this rank's tokens, or the union over ``stats_group`` when given.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from fractions import Fraction
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moepar.parallel import comm
+from moepar_kernels import routing as _rk
+
+SCORE_FUNCS = ("softmax", "softmax_after_topk", "sigmoid")
+NOISY_GATE_POLICIES = (None, "jitter", "rsample")
+DROP_POLICIES = ("probs", "position")
+AUX_LOSSES = (None, "switch", "seq")
+NONFINITE = ("raise", "propagate")
+
+
+@dataclasses.dataclass(frozen=True)
+class Routing:
+    """One routing decision for T tokens (see the module legend)."""
+    expert_ids: torch.Tensor          # [T, K] int64, each row K distinct valid ids in [0, E)
+    weights: torch.Tensor             # [T, K] fp32 combine weights, 0.0 where dropped; differentiable
+    dropped: torch.Tensor             # [T, K] bool
+    tokens_per_expert: torch.Tensor   # [E] int64, kept routes per expert (after drops)
+    aux_loss: torch.Tensor            # scalar fp32 in the graph, already x aux_loss_coeff (0 if off)
+    z_loss: torch.Tensor              # scalar fp32 in the graph, already x z_loss_coeff
+    scores: torch.Tensor              # [T, E] fp32 raw scores (softmax or sigmoid of logits, no bias)
+    capacity: Optional[int]           # per-expert capacity used, None when dropless
+
+
+def _positive_int(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive integer")
+
+
+def _nonneg_float(name: str, value, strict: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (strict and value == 0):
+        raise ValueError(f"{name}={value!r} must be a finite number {'> 0' if strict else '>= 0'}")
+
+
+def _one_of(name: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} must be one of {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Every router option, validated once (see ``TopKRouter`` for their meaning)."""
+    hidden: int
+    num_experts: int
+    k: int = 2
+    score_func: str = "softmax"
+    normalize_weights: Optional[bool] = None
+    scaling_factor: float = 1.0
+    bias: bool = False
+    expert_bias: bool = False
+    num_groups: Optional[int] = None
+    topk_groups: Optional[int] = None
+    noisy_gate_policy: Optional[str] = None
+    noise_eps: float = 1e-2
+    capacity_factor: Optional[float] = None
+    eval_capacity_factor: Optional[float] = None
+    min_capacity: int = 4
+    drop_policy: str = "probs"
+    pad_to_capacity: bool = False
+    aux_loss: Optional[str] = "switch"
+    aux_loss_coeff: float = 1e-2
+    seq_len: Optional[int] = None
+    z_loss_coeff: float = 0.0
+    nonfinite: str = "raise"
+    use_kernel: Optional[bool] = None
+    init_seed: Optional[int] = None
+    init_std: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _positive_int("hidden", self.hidden)
+        _positive_int("num_experts", self.num_experts)
+        E, k = self.num_experts, self.k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"k={k!r} must be an integer >= 1")
+        if k > E:
+            raise ValueError(f"k={k} must be <= num_experts={E}")
+        _one_of("score_func", self.score_func, SCORE_FUNCS)
+        _one_of("normalize_weights", self.normalize_weights, (None, True, False))
+        _nonneg_float("scaling_factor", self.scaling_factor, strict=True)
+        if (self.num_groups is None) != (self.topk_groups is None):
+            raise ValueError(f"num_groups={self.num_groups} and topk_groups={self.topk_groups}: "
+                             f"group-limited routing needs both (or neither)")
+        if self.num_groups is not None:
+            _positive_int("num_groups", self.num_groups)
+            _positive_int("topk_groups", self.topk_groups)
+            if E % self.num_groups:
+                raise ValueError(f"num_experts={E} is not divisible by num_groups={self.num_groups}")
+            if self.topk_groups > self.num_groups:
+                raise ValueError(f"topk_groups={self.topk_groups} must be <= num_groups={self.num_groups}")
+            reachable = self.topk_groups * (E // self.num_groups)
+            if k > reachable:
+                raise ValueError(f"k={k} must be <= topk_groups={self.topk_groups} x experts per group "
+                                 f"{E // self.num_groups} = {reachable}")
+        _one_of("noisy_gate_policy", self.noisy_gate_policy, NOISY_GATE_POLICIES)
+        if not (isinstance(self.noise_eps, (int, float)) and 0 < self.noise_eps < 1):
+            raise ValueError(f"noise_eps={self.noise_eps!r} must be in (0, 1)")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            if getattr(self, name) is not None:
+                _nonneg_float(name, getattr(self, name), strict=True)
+        if isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int) or self.min_capacity < 0:
+            raise ValueError(f"min_capacity={self.min_capacity!r} must be an integer >= 0")
+        _one_of("drop_policy", self.drop_policy, DROP_POLICIES)
+        if self.pad_to_capacity and self.capacity_factor is None and self.eval_capacity_factor is None:
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (or eval_capacity_factor): "
+                             "dropless routing has no capacity to pad to")
+        _one_of("aux_loss", self.aux_loss, AUX_LOSSES)
+        _nonneg_float("aux_loss_coeff", self.aux_loss_coeff)
+        _nonneg_float("z_loss_coeff", self.z_loss_coeff)
+        if self.aux_loss == "seq":
+            if self.seq_len is None:
+                raise ValueError("aux_loss='seq' needs seq_len (tokens per sequence on this rank)")
+            _positive_int("seq_len", self.seq_len)
+        _one_of("nonfinite", self.nonfinite, NONFINITE)
+        _one_of("use_kernel", self.use_kernel, (None, True, False))
+        if self.use_kernel is True:
+            reason = self.kernel_gap()
+            if reason:
+                raise ValueError(f"use_kernel=True but the routing kernel does not cover {reason}")
+        if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
+            raise ValueError(f"init_seed={self.init_seed!r} must be an integer or None")
+        if self.init_std is not None:
+            _nonneg_float("init_std", self.init_std, strict=True)
+
+    @property
+    def normalize(self) -> bool:
+        """Renormalise the k weights: explicit setting, else on for sigmoid with k > 1."""
+        if self.normalize_weights is not None:
+            return self.normalize_weights
+        return self.score_func == "sigmoid" and self.k > 1
+
+    def kernel_gap(self, training: bool = True) -> str:
+        """Why the Triton kernel cannot serve this config ("" when it can); rsample noise
+        only matters in training."""
+        if _rk.triton is None:
+            return "this machine (triton is not installed)"
+        if self.num_groups is not None:
+            return f"group-limited routing (num_groups={self.num_groups})"
+        if self.noisy_gate_policy == "rsample" and training:
+            return "noisy_gate_policy='rsample'"
+        if self.num_experts > _rk.MAX_EXPERTS:
+            return f"num_experts={self.num_experts} > {_rk.MAX_EXPERTS}"
+        if self.k > _rk.MAX_K:
+            return f"k={self.k} > {_rk.MAX_K}"
+        return ""
+
+    def capacity(self, num_tokens: int, training: bool) -> Optional[int]:
+        """max(ceil(T*K/E * factor), min_capacity) for this rank's T tokens; None = dropless."""
+        factor = self.capacity_factor if training or self.eval_capacity_factor is None else self.eval_capacity_factor
+        if factor is None:
+            return None
+        # Exact rational arithmetic: 6*2/4*0.5 must be 1.5, not 1.5000000000000002.
+        exact = Fraction(num_tokens * self.k, self.num_experts) * Fraction(repr(float(factor)))
+        return max(math.ceil(exact), self.min_capacity)
+
+
+def capacity_drops(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, bad_T: torch.Tensor,
+                   capacity: int, policy: str, num_experts: int) -> torch.Tensor:
+    """[T, K] bool: routes beyond ``capacity`` per expert. Routes are ranked per expert by
+    weight ("probs") or by arrival ("position"); arrival order is slot-major (every
+    token's first choice, in token order, before any second choice), which also breaks
+    ties for "probs". Routes of non-finite tokens rank last so they never displace others."""
+    T, K = expert_ids_TK.shape
+    N = T * K
+    ids_N = expert_ids_TK.t().reshape(-1)
+    bad_N = bad_T.repeat(K)
+    if policy == "probs":
+        w_N = weights_TK.detach().t().reshape(-1)
+        w_N = torch.where(bad_N, torch.full_like(w_N, float("-inf")), w_N)
+        order_N = torch.sort(w_N, descending=True, stable=True).indices
+    else:
+        order_N = torch.sort(bad_N.to(torch.int32), stable=True).indices
+    # Group the priority order by expert (stable), then rank within each expert.
+    by_expert = torch.sort(ids_N[order_N], stable=True)
+    route_N = order_N[by_expert.indices]
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
+        0, ids_N, torch.ones_like(ids_N))
+    start_E = torch.cumsum(counts_E, 0) - counts_E
+    rank_N = torch.arange(N, device=ids_N.device) - start_E[by_expert.values]
+    keep_N = torch.empty(N, dtype=torch.bool, device=ids_N.device).scatter_(0, route_N, rank_N < capacity)
+    return ~keep_N.view(K, T).t()
+
+
+class TopKRouter(nn.Module):
+    """Top-k gate: fp32 linear ``[E, D]`` (+ optional bias), scores, top-k, drops, losses.
+
+    Options (all validated by ``RouterConfig``, errors name the values):
+      score_func: "softmax" (softmax then top-k), "softmax_after_topk" (top-k on the
+        logits, softmax over the k) or "sigmoid" (DeepSeek-V3). normalize_weights:
+        renormalise the k weights to sum 1 (None: on for sigmoid with k > 1).
+        scaling_factor multiplies the weights.
+      expert_bias: a non-trainable per-expert bias (buffer) added to the scores for
+        selection only; ``update_expert_bias(rate)`` moves it from the load.
+      num_groups / topk_groups: pick the best groups first, then top-k inside them.
+      noisy_gate_policy: "jitter" (input x U(1-eps, 1+eps)) or "rsample" (Gumbel noise on
+        the logits used for selection); training only.
+      capacity_factor / eval_capacity_factor / min_capacity / drop_policy / pad_to_capacity:
+        None is dropless; else capacity = max(ceil(T*K/E*factor), min_capacity) over this
+        rank's tokens; pad_to_capacity asks the dispatcher for fixed ``capacity`` rows.
+      aux_loss: "switch", "seq" (per sequence of ``seq_len`` tokens) or None; aux_loss_coeff;
+        z_loss_coeff (mean logsumexp^2). Both come back already scaled.
+      nonfinite: "raise" (ValueError on NaN/inf logits) or "propagate" (NaN weights).
+      use_kernel: None = Triton on CUDA when it covers the options; True/False forces.
+      init_seed / init_std: weights from ``Generator().manual_seed(init_seed)``;
+        U(+-1/sqrt(D)) (nn.Linear) or N(0, init_std).
+    """
+
+    def __init__(self, hidden: int, num_experts: int, k: int = 2, **options) -> None:
+        super().__init__()
+        self.config = cfg = RouterConfig(hidden, num_experts, k, **options)
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
+        self.bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32)) if cfg.bias else None
+        if cfg.expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            # Routes per expert over training forwards since the last update_expert_bias().
+            self.register_buffer("load_accum", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        else:
+            self.expert_bias = None
+        self.reset_parameters()
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    @property
+    def k(self) -> int:
+        return self.config.k
+
+    @property
+    def pad_to_capacity(self) -> bool:
+        return self.config.pad_to_capacity
+
+    def reset_parameters(self) -> None:
+        cfg = self.config
+        gen = torch.Generator().manual_seed(cfg.init_seed) if cfg.init_seed is not None else None
+        w = torch.empty(cfg.num_experts, cfg.hidden, dtype=torch.float32)
+        bound = 1.0 / math.sqrt(cfg.hidden)
+        if cfg.init_std is None:
+            w.uniform_(-bound, bound, generator=gen)
+        else:
+            w.normal_(0.0, cfg.init_std, generator=gen)
+        with torch.no_grad():
+            self.weight.copy_(w)
+            if self.bias is not None:
+                b = torch.zeros(cfg.num_experts)
+                if cfg.init_std is None:
+                    b.uniform_(-bound, bound, generator=gen)
+                self.bias.copy_(b)
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"hidden={c.hidden}, num_experts={c.num_experts}, k={c.k}, score_func={c.score_func!r}, "
+                f"capacity_factor={c.capacity_factor}, aux_loss={c.aux_loss!r}")
+
+    def forward(self, x_TD: torch.Tensor, *, stats_group=None) -> Routing:
+        """Route ``x_TD`` [T, D]; ``stats_group`` sums the aux/z statistics over a group."""
+        if x_TD.dim() != 2 or x_TD.shape[1] != self.config.hidden:
+            raise ValueError(f"router input must be [T, hidden={self.config.hidden}], got {tuple(x_TD.shape)}")
+        x = x_TD.float()
+        if self.training and self.config.noisy_gate_policy == "jitter":
+            eps = self.config.noise_eps
+            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+        bias = None if self.bias is None else self.bias.float()
+        logits_TE = F.linear(x, self.weight.float(), bias)
+        return self._route(logits_TE, stats_group)
+
+    def route_logits(self, logits_TE: torch.Tensor, *, stats_group=None) -> Routing:
+        """Route precomputed logits [T, E] (cast to fp32); no gate linear, no jitter."""
+        if logits_TE.dim() != 2 or logits_TE.shape[1] != self.config.num_experts:
+            raise ValueError(f"logits must be [T, num_experts={self.config.num_experts}], "
+                             f"got {tuple(logits_TE.shape)}")
+        return self._route(logits_TE.float(), stats_group)
+
+    def _use_kernel(self, logits_TE: torch.Tensor) -> bool:
+        cfg = self.config
+        if cfg.use_kernel is not None:
+            return cfg.use_kernel   # True was checked against kernel_gap() at construction
+        return logits_TE.is_cuda and not cfg.kernel_gap(self.training)
+
+    def _route(self, logits_TE: torch.Tensor, stats_group) -> Routing:
+        cfg = self.config
+        T, E = logits_TE.shape
+        bad_T = ~torch.isfinite(logits_TE).all(dim=-1)
+        if cfg.nonfinite == "raise" and bool(bad_T.any()):
+            first = int(bad_T.nonzero()[0, 0])
+            raise ValueError(f"router logits are NaN or inf for {int(bad_T.sum())} of {T} tokens "
+                             f"(first: token {first}); nonfinite='propagate' turns them into NaN outputs")
+        noise_TE = None
+        if self.training and cfg.noisy_gate_policy == "rsample":
+            # Gumbel(0, 1) on the logits used for selection: sampling without replacement.
+            u = torch.rand_like(logits_TE).clamp_min(torch.finfo(torch.float32).tiny)
+            noise_TE = -torch.log(-torch.log(u))
+        args = (logits_TE, cfg.k, cfg.score_func, self.expert_bias, cfg.normalize, cfg.scaling_factor)
+        if noise_TE is None and self._use_kernel(logits_TE):
+            ids_TK, w_TK, hist_E = _rk.routing(*args)
+        else:
+            ids_TK, w_TK, hist_E = _rk.routing_reference(
+                *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, selection_noise_TE=noise_TE)
+        scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
+        capacity = cfg.capacity(T, self.training)
+        if capacity is None:
+            dropped_TK = torch.zeros_like(ids_TK, dtype=torch.bool)
+            kept_E = hist_E
+        else:
+            dropped_TK = capacity_drops(ids_TK, w_TK, bad_T, capacity, cfg.drop_policy, E)
+            # Dropped routes weigh 0, except a non-finite token's, which stay NaN.
+            w_TK = torch.where(dropped_TK & ~bad_T[:, None], torch.zeros_like(w_TK), w_TK)
+            kept_E = torch.zeros(E, dtype=torch.int64, device=ids_TK.device).scatter_add_(
+                0, ids_TK.reshape(-1), (~dropped_TK).reshape(-1).long())
+        aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group)
+        if self.training and cfg.expert_bias:
+            with torch.no_grad():
+                self.load_accum += hist_E
+        return Routing(ids_TK, w_TK, dropped_TK, kept_E, aux, z, scores_TE, capacity)
+
+    def _losses(self, logits_TE, scores_TE, ids_TK, hist_E, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """Aux and z losses from sums that add over ranks, so ``stats_group`` gives the
+        loss of the union of the group's tokens: counts are all-reduced; score and
+        logsumexp^2 sums go through reduce_from_region (identity backward: each rank
+        back-propagates its own tokens, the layer sums the weight grads over the group)."""
+        cfg = self.config
+        T, E = logits_TE.shape
+        K = cfg.k
+        zero = logits_TE.new_zeros(())
+        aux_on, z_on = cfg.aux_loss is not None, cfg.z_loss_coeff > 0
+        if not aux_on and not z_on:
+            return zero, zero
+        diff, counts = [], []
+        if aux_on:
+            # P_e uses per-token scores summing to 1 (sigmoid scores are renormalised).
+            p_TE = scores_TE if cfg.score_func != "sigmoid" else scores_TE / (scores_TE.sum(-1, keepdim=True) + 1e-20)
+            if cfg.aux_loss == "switch":
+                diff.append(p_TE.sum(0))
+                counts.append(hist_E)
+            else:
+                L = cfg.seq_len
+                if T % L:
+                    raise ValueError(f"aux_loss='seq': {T} tokens are not a whole number of sequences "
+                                     f"of seq_len={L}")
+                B = T // L
+                diff.append(p_TE.view(B, L, E).sum(1).reshape(-1))
+                ones = torch.ones(B, L * K, dtype=torch.int64, device=ids_TK.device)
+                counts.append(torch.zeros(B, E, dtype=torch.int64, device=ids_TK.device)
+                              .scatter_add_(1, ids_TK.reshape(B, L * K), ones).reshape(-1))
+        if z_on:
+            diff.append((torch.logsumexp(logits_TE, dim=-1) ** 2).sum().reshape(1))
+        counts.append(torch.tensor([T], dtype=torch.int64, device=logits_TE.device))
+        diff_sum, count_sum = torch.cat(diff), torch.cat(counts)
+        if comm.group_size(group) > 1:
+            diff_sum = comm.reduce_from_region(diff_sum, group)   # bytes: 4 * len (E, or B*E, +1)
+            count_sum = comm.all_reduce_(count_sum, group)        # bytes: 8 * len
+        tokens = count_sum[-1].clamp_min(1).float()
+        aux = z = zero
+        if z_on:
+            z = cfg.z_loss_coeff * diff_sum[-1] / tokens
+        if aux_on:
+            if cfg.aux_loss == "switch":
+                f_E, P_E = count_sum[:E].float() / tokens, diff_sum[:E] / tokens
+                aux = (E / K) * (f_E * P_E).sum()
+            else:
+                B = T // cfg.seq_len
+                per_seq = tokens / max(B, 1)   # global tokens of each sequence
+                f_BE = count_sum[:B * E].view(B, E).float() / per_seq
+                P_BE = diff_sum[:B * E].view(B, E) / per_seq
+                aux = (E / K) * (f_BE * P_BE).sum(-1).mean() if B else zero
+            aux = cfg.aux_loss_coeff * aux
+        return aux, z
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float, group=None) -> torch.Tensor:
+        """DeepSeek-V3 aux-loss-free balancing: ``bias_e += rate * sign(mean_load - load_e)``
+        from the routes counted in training forwards since the last call (summed over
+        ``group`` first), then reset the count. Returns the load used [E] (int64)."""
+        if not self.config.expert_bias:
+            raise ValueError("update_expert_bias needs a router built with expert_bias=True")
+        _nonneg_float("rate", rate)
+        load_E = comm.all_reduce_(self.load_accum.clone(), group)
+        load = load_E.double()
+        self.expert_bias += (rate * torch.sign(load.mean() - load)).to(self.expert_bias.dtype)
+        self.load_accum.zero_()
+        return load_E
