@@ -1,0 +1,203 @@
+"""Every collective of a transformer block with an MoE FFN, and the predicted step time.
+
+Legend (as model.py): D hidden, E experts, K top-k, T tokens per micro-batch per TP group,
+b activation bytes, R rows this rank dispatches per micro-batch, priced on the most
+loaded rank: (T/tp)·K·imbalance dropless; E·C padded to capacity C. Bytes are per rank in
+nccl-tests' size convention (all-gather: output, reduce-scatter: input, all-to-all: send
+buffer), as ``moepar.parallel.comm`` records them.
+
+Per MoE layer and micro-batch (what ``moepar.moe`` issues):
+  forward  [ep>1]  counts all-to-all: per peer L=E/ep int64 counts + 4 int64 metadata,
+                   ep·(L+4)·8 = (E + 4·ep)·8 bytes, EP group
+           [ep>1]  dispatch all-to-all          R·D·b        EP
+           [etp>1] all-gather counts + rows     etp·E·8, etp·R·D·b  ETP
+           [etp>1] reduce-scatter partial out   etp·R·D·b    ETP
+           [ep>1]  combine all-to-all           R·D·b        EP
+           [tp>1, no SP] all-gather outputs     T·D·b        TP
+           shared experts [tp>1]: all-reduce T·D·b (SP: all-gather + reduce-scatter)
+           [SP, tp>1] aux-loss statistics all-reduce 3·E·4   TP
+  backward the mirrors: 2 all-to-alls R·D·b; [etp>1] all-gather + reduce-scatter;
+           [tp>1, no SP] all-gather of the input gradient T·D·b and of the routing-weight
+           gradient T·K·4; shared experts as forward.
+  attention (Megatron TP) [tp>1]: all-reduce T·D·b forward and backward (SP: all-gather +
+           reduce-scatter each way).
+Per step: gradients of dense parameters over dp, of expert parameters over edp: all-reduce
+(ZeRO 0), reduce-scatter + all-gather of the updated weights (ZeRO 1, 2), reduce-scatter +
+an all-gather of weights before forward and before backward of every micro-batch (ZeRO 3);
+with sequence parallelism the norms' gradients are first all-reduced over TP (L·2·D·b).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from .collectives import sent_bytes
+from .hardware import Hardware
+from .model import (CostLayout, Flops, Memory, MoESpec, Params, Routes, check_fits,
+                    count_flops, count_params, memory_per_rank, routes_per_rank)
+
+INT64 = 8
+FP32 = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One collective: ``count`` calls per layer and micro-batch (``per="layer"``) or per
+    step (``per="step"``); ``nbytes`` per rank (size convention); ``seconds`` per call."""
+
+    name: str
+    op: str
+    algo: str
+    group: str
+    group_size: int
+    phase: str          # fwd | bwd | step
+    nbytes: float
+    count: int
+    seconds: float
+    sent: float         # bytes each rank sends per call
+    formula: str
+    per: str = "layer"
+
+    @property
+    def total_seconds(self) -> float:
+        return self.seconds * self.count
+
+
+def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes | None = None,
+                a2a_algo: str = "pairwise", ar_algo: str = "ring") -> list[Call]:
+    """Every collective of one transformer block (attention + MoE), one micro-batch."""
+    r = routes or routes_per_rank(spec, layout)
+    D, T, K, E, b = spec.hidden, spec.tokens, spec.topk, spec.experts, spec.b
+    tp, ep, etp, sp = layout.tp, layout.ep, layout.etp, layout.sp
+    R = r.max
+    calls: list[Call] = []
+
+    def add(name, op, group, phase, nbytes, formula, count=1):
+        algo = a2a_algo if op == "all_to_all" else ar_algo if op == "all_reduce" else "ring"
+        pl = layout.placement(group)
+        calls.append(Call(name, op, algo, group, pl.size, phase, float(nbytes), count,
+                          hw.collective_time(op, pl, nbytes, algo), sent_bytes(op, pl, nbytes, algo),
+                          formula))
+
+    rows = R * D * b
+    for phase in ("fwd", "bwd"):
+        # attention block, Megatron tensor parallel
+        if tp > 1 and not sp:
+            add("attention output", "all_reduce", "tp", phase, T * D * b, "T·D·b")
+        elif tp > 1:
+            add("attention SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
+            add("attention SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
+        if ep > 1 and phase == "fwd":
+            add("MoE counts", "all_to_all", "ep", phase, (E + 4 * ep) * INT64, "ep·(E/ep+4)·8")
+        if ep > 1:
+            add("MoE dispatch" if phase == "fwd" else "MoE combine grad", "all_to_all", "ep", phase,
+                rows, "R·D·b")
+        if etp > 1:
+            if phase == "fwd":
+                add("expert-TP counts", "all_gather", "etp", phase, etp * E * INT64, "etp·E·8")
+            add("expert-TP gather rows", "all_gather", "etp", phase, etp * rows, "etp·R·D·b")
+            add("expert-TP reduce-scatter", "reduce_scatter", "etp", phase, etp * rows, "etp·R·D·b")
+        if ep > 1:
+            add("MoE combine" if phase == "fwd" else "MoE dispatch grad", "all_to_all", "ep", phase,
+                rows, "R·D·b")
+        if tp > 1 and not sp:
+            add("MoE TP gather" if phase == "fwd" else "MoE input-grad gather", "all_gather", "tp",
+                phase, T * D * b, "T·D·b")
+            if phase == "bwd":
+                add("routing-weight grad gather", "all_gather", "tp", phase, T * K * FP32, "T·K·4")
+        if spec.shared_experts and tp > 1:
+            if sp:
+                add("shared experts SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
+                add("shared experts SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
+            else:
+                add("shared experts", "all_reduce", "tp", phase, T * D * b, "T·D·b")
+        if sp and tp > 1 and phase == "fwd":
+            add("aux-loss statistics", "all_reduce", "tp", phase, 3 * E * FP32, "3·E·4")
+    return calls
+
+
+def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params | None = None,
+               ar_algo: str = "ring", grad_bytes: int | None = None) -> list[Call]:
+    """Data-parallel gradient (and ZeRO weight) collectives, once per step."""
+    p = params or count_params(spec, layout)
+    gb = spec.b if grad_bytes is None else grad_bytes
+    out: list[Call] = []
+    if layout.sp and layout.tp > 1:
+        pl = layout.placement("tp")
+        nbytes = spec.layers * p.norms * gb
+        out.append(Call("SP norm grads", "all_reduce", ar_algo, "tp", pl.size, "step", float(nbytes), 1,
+                        hw.collective_time("all_reduce", pl, nbytes, ar_algo),
+                        sent_bytes("all_reduce", pl, nbytes, ar_algo), "L·2·D·b", per="step"))
+    for group, n_params, label in (("dp", p.dense_rank, "dense"), ("edp", p.expert_rank, "expert")):
+        pl = layout.placement(group)
+        if pl.size == 1 or n_params == 0:
+            continue
+        nbytes = n_params * gb
+        sym = "N_dense_rank·b" if label == "dense" else "N_expert_rank·b"
+
+        def add(name, op, phase, count, algo="ring"):
+            out.append(Call(name, op, algo, group, pl.size, phase, float(nbytes), count,
+                            hw.collective_time(op, pl, nbytes, algo), sent_bytes(op, pl, nbytes, algo),
+                            sym, per="step"))
+        if layout.zero == 0:
+            add(f"{label} grads", "all_reduce", "step", 1, ar_algo)
+        else:
+            add(f"{label} grads", "reduce_scatter", "step", 1)
+            if layout.zero in (1, 2):
+                add(f"{label} updated weights", "all_gather", "step", 1)
+            else:
+                add(f"{label} weights (ZeRO-3, fwd+bwd)", "all_gather", "step", 2 * spec.micro_batches)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """The full prediction for one training step on one (the most loaded) rank."""
+
+    spec: MoESpec
+    layout: CostLayout
+    hardware: Hardware
+    params: Params
+    routes: Routes
+    flops: Flops
+    memory: Memory
+    layer: list[Call]
+    step: list[Call]
+    compute_efficiency: float
+
+    @property
+    def comm_per_layer(self) -> float:
+        return sum(c.total_seconds for c in self.layer)
+
+    @property
+    def comm_per_step(self) -> float:
+        return (self.comm_per_layer * self.spec.layers * self.spec.micro_batches
+                + sum(c.total_seconds for c in self.step))
+
+    @property
+    def compute_per_step(self) -> float:
+        return self.flops.per_step_rank_max / (self.hardware.flops * self.compute_efficiency)
+
+    @property
+    def step_time(self) -> float:
+        """Communication + compute, no overlap assumed (an upper bound on the step)."""
+        return self.comm_per_step + self.compute_per_step
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.hardware.memory_bytes
+
+
+def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float = 1.0,
+              a2a_algo: str = "pairwise", ar_algo: str = "ring") -> StepCost:
+    """Check the layout against the model, then price everything for one step."""
+    check_fits(spec, layout)
+    if not 0 < compute_efficiency <= 1:
+        raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] "
+                         f"(the fraction of the peak FLOP rate reached)")
+    params = count_params(spec, layout)
+    routes = routes_per_rank(spec, layout)
+    flops = count_flops(spec, layout, params, routes)
+    memory = memory_per_rank(spec, layout, params, routes)
+    return StepCost(spec, layout, hw, params, routes, flops, memory,
+                    layer_calls(spec, layout, hw, routes, a2a_algo, ar_algo),
+                    step_calls(spec, layout, hw, params, ar_algo), compute_efficiency)

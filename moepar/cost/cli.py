@@ -1,0 +1,300 @@
+"""``python -m moepar report | recommend | calibrate | validate``: argparse front ends.
+
+Each ``*_main(argv)`` returns an exit code: 0 on success, 2 when the input is invalid
+(the message, naming the valid values, goes to stderr), 1 when ``validate --check`` misses
+its thresholds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable
+
+from .collectives import ALGOS, OPS
+from .hardware import PRESETS, get_hardware, save_profile
+from .model import MODELS, CostLayout, MoESpec, imbalance_from_counts
+from .units import fmt_bytes, fmt_time
+
+MODEL_FIELDS = ("hidden", "ffn", "experts", "topk", "layers", "heads", "kv_heads", "vocab")
+
+
+def _guard(fn: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser, argv) -> int:
+    args = parser.parse_args(argv)
+    try:
+        return fn(args)
+    except ValueError as e:
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def parse_size(text: str) -> int:
+    """'64K', '64KiB', '1M', '65536' -> bytes (binary units)."""
+    t = text.strip().upper().replace("IB", "").replace("B", "")
+    mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(t[-1:], 1)
+    try:
+        return int(float(t[:-1] if mult > 1 else t) * mult)
+    except ValueError:
+        raise ValueError(f"size {text!r} is not a byte count (e.g. 65536, 64K, 64M, 1G)") from None
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
+
+
+# ---- model / layout / hardware arguments -----------------------------------------------
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(MODELS), help="a public configuration (explicit flags override it)")
+    g.add_argument("--hidden", type=int, help="D, model width")
+    g.add_argument("--ffn", type=int, help="F, expert hidden width")
+    g.add_argument("--experts", type=int, help="E, experts per layer")
+    g.add_argument("--topk", type=int, help="K, experts per token")
+    g.add_argument("--tokens", type=int, default=8192, help="T, tokens per micro-batch per TP group (default 8192)")
+    g.add_argument("--dtype", default="bf16", help="activation and weight dtype: bf16 fp16 fp32 fp8")
+    g.add_argument("--capacity-factor", type=float, help="capacity mode (default: dropless)")
+    g.add_argument("--min-capacity", type=int, default=4)
+    g.add_argument("--pad-to-capacity", action="store_true", help="send E·C rows whatever the routing")
+    g.add_argument("--shared-experts", type=int, default=0)
+    g.add_argument("--shared-ffn", type=int, help="shared experts' ffn (default --ffn)")
+    g.add_argument("--plain-mlp", action="store_true", help="2-matrix experts instead of SwiGLU's 3")
+    g.add_argument("--layers", type=int, help="transformer blocks (default 1, or the --model's)")
+    g.add_argument("--heads", type=int)
+    g.add_argument("--kv-heads", type=int)
+    g.add_argument("--vocab", type=int, help="vocabulary (embeddings and output layer)")
+    g.add_argument("--seq-len", type=int, help="adds attention-score FLOPs")
+    g.add_argument("--imbalance", type=float, default=1.0, help="max/mean routes per EP rank (>= 1)")
+    g.add_argument("--routing-counts", help="measured tokens per expert, comma-separated or a file: "
+                                            "sets --imbalance for the layout's ep")
+    g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
+
+
+def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
+    g = p.add_argument_group("hardware")
+    g.add_argument("--hardware", default=default,
+                   help=f"preset ({', '.join(sorted(PRESETS))}) or a calibrated JSON profile (default {default})")
+    g.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
+    g.add_argument("--compute-efficiency", type=float, default=1.0,
+                   help="fraction of the peak FLOP rate reached (default 1.0: compute time is a lower bound)")
+    g.add_argument("--a2a", choices=ALGOS["all_to_all"], default="pairwise", help="all-to-all algorithm")
+    g.add_argument("--allreduce", choices=ALGOS["all_reduce"], default="ring", help="all-reduce algorithm")
+
+
+def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
+    base = dict(MODELS[a.model]) if a.model else {}
+    for k in MODEL_FIELDS:
+        if getattr(a, k) is not None:
+            base[k] = getattr(a, k)
+    missing = [f"--{k}" for k in ("hidden", "ffn", "experts", "topk") if k not in base]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (or pass --model, one of: {', '.join(sorted(MODELS))})")
+    imbalance = a.imbalance
+    if a.routing_counts:
+        text = a.routing_counts
+        if "," not in text:
+            with open(text) as f:
+                text = f.read().replace("\n", ",")
+        counts = [float(x) for x in text.replace(" ", ",").split(",") if x.strip()]
+        imbalance = imbalance_from_counts(counts, ep)
+    return MoESpec(tokens=a.tokens, dtype=a.dtype, capacity_factor=a.capacity_factor,
+                   min_capacity=a.min_capacity, pad_to_capacity=a.pad_to_capacity,
+                   shared_experts=a.shared_experts, shared_ffn=a.shared_ffn, gated=not a.plain_mlp,
+                   seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches, **base)
+
+
+# ---- report ---------------------------------------------------------------------------
+
+def _report(a: argparse.Namespace) -> int:
+    from .accounting import step_cost
+    from .report import build_report, plot_png, render_markdown, render_text, to_json
+    hw = get_hardware(a.hardware)
+    gpn = a.gpus_per_node or hw.gpus_per_node
+    layout = CostLayout(a.gpus, gpn, a.tp, a.ep, a.etp, a.sp, a.zero)
+    spec = spec_from_args(a, layout.ep)
+    for w in layout.warnings():
+        print(f"warning: {w}", file=sys.stderr)
+    cost = step_cost(spec, layout, hw.replace(gpus_per_node=gpn), a.compute_efficiency, a.a2a, a.allreduce)
+    rep = build_report(cost, _int_list(a.compare_sizes) if a.compare_sizes else None)
+    print(render_text(rep))
+    for path, text in ((a.markdown, render_markdown), (a.json, to_json)):
+        if path:
+            with open(path, "w") as f:
+                f.write(text(rep))
+            print(f"wrote {path}")
+    if a.png:
+        plot_png(rep, a.png)
+        print(f"wrote {a.png}")
+    return 0
+
+
+def report_main(argv: list[str]) -> int:
+    """Communication, FLOPs and memory report for one model on one layout."""
+    p = argparse.ArgumentParser(prog="python -m moepar report", description=report_main.__doc__)
+    add_model_args(p)
+    add_hw_args(p)
+    g = p.add_argument_group("layout")
+    g.add_argument("--gpus", type=int, default=8)
+    g.add_argument("--tp", type=int, default=1, help="tensor parallel size (dense layers)")
+    g.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
+    g.add_argument("--sp", action="store_true", help="sequence parallelism in the TP group")
+    g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    o = p.add_argument_group("output")
+    o.add_argument("--markdown", help="also write the report as Markdown here")
+    o.add_argument("--json", help="also write the report's data as JSON here")
+    o.add_argument("--png", help="also plot bytes/time per collective and EP vs TP here (matplotlib)")
+    o.add_argument("--compare-sizes", help="group sizes of the EP-vs-TP table (default 2,4,... <= gpus)")
+    return _guard(_report, p, argv)
+
+
+# ---- recommend --------------------------------------------------------------------------
+
+def _recommend(a: argparse.Namespace) -> int:
+    from .compare import recommend
+    from ..bench.common import format_table
+    hw = get_hardware(a.hardware)
+    spec = spec_from_args(a)
+    if a.routing_counts:
+        raise ValueError("--routing-counts depends on ep; pass --imbalance to recommend")
+    zero = _int_list(a.zero)
+    mem = a.memory_gib * 2 ** 30 if a.memory_gib else None
+    cands = recommend(spec, a.gpus, hw, a.gpus_per_node, mem, a.global_tokens, a.compute_efficiency,
+                      zero, a.cross_node_tp)
+    if not cands:
+        raise ValueError(f"no layout of {a.gpus} GPUs divides the model (experts={spec.experts}, "
+                         f"hidden={spec.hidden}, tokens={spec.tokens})")
+    fit = [c for c in cands if c.fits]
+    rows = []
+    for i, c in enumerate((fit or cands)[: a.top], 1):
+        lay, cost = c.cost.layout, c.cost
+        rows.append({"#": i, "tp": lay.tp, "sp": "on" if lay.sp else "off", "ep": lay.ep, "etp": lay.etp,
+                     "dp": lay.dp, "edp": lay.edp, "zero": lay.zero,
+                     "micro-batches": f"{cost.spec.micro_batches} x {cost.spec.tokens}",
+                     "memory": fmt_bytes(cost.memory.total), "comm": fmt_time(cost.comm_per_step),
+                     "compute": fmt_time(cost.compute_per_step), "step": fmt_time(cost.step_time)})
+    mem_text = fmt_bytes(mem or hw.memory_bytes)
+    print(f"{len(cands)} layouts of {a.gpus} GPUs on {hw.name}; {len(fit)} fit in {mem_text} per GPU; "
+          f"ranked by predicted step time (comm + compute, no overlap):")
+    if not fit:
+        print("NONE FITS: the smallest by memory are listed; add GPUs, raise --zero or lower --tokens")
+    print(format_table(rows))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0
+
+
+def recommend_main(argv: list[str]) -> int:
+    """Rank the layouts of a GPU count that fit in memory by predicted step time."""
+    p = argparse.ArgumentParser(prog="python -m moepar recommend", description=recommend_main.__doc__)
+    add_model_args(p)
+    add_hw_args(p)
+    g = p.add_argument_group("search")
+    g.add_argument("--gpus", type=int, required=True)
+    g.add_argument("--memory-gib", type=float, help="memory per GPU (default: the hardware's)")
+    g.add_argument("--global-tokens", type=int, help="tokens per step (default tokens x micro-batches x gpus)")
+    g.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
+    g.add_argument("--cross-node-tp", action="store_true", help="also consider tp/etp > gpus per node")
+    g.add_argument("--top", type=int, default=10)
+    g.add_argument("--json", help="write the ranked rows as JSON here")
+    return _guard(_recommend, p, argv)
+
+
+# ---- calibrate / validate -------------------------------------------------------------------
+
+def _calibrate(a: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from ..bench.common import format_table
+    from .calibrate import bus_bandwidth_table, calibrate, pinned_to_core, size_sweep
+    created = not (dist.is_available() and dist.is_initialized())
+    sizes = size_sweep(parse_size(a.min_size), parse_size(a.max_size), a.factor)
+    ops = [o.strip() for o in a.ops.split(",")] if a.ops else list(OPS)
+    with pinned_to_core(not a.no_pin):
+        hw = calibrate(sizes, _int_list(a.group_sizes) if a.group_sizes else None, ops, a.repeats, a.warmup,
+                       a.dtype, log=print)
+    if dist.get_rank() == 0:
+        save_profile(hw, a.out)
+        print(format_table(bus_bandwidth_table(hw)))
+        print(f"matmul rate {hw.flops / 1e9:.3g} GFLOP/s per rank; fitted link {hw.intra.bandwidth / 1e9:.3g} GB/s, "
+              f"{hw.intra.latency * 1e6:.3g} us/step; {hw.meta['seconds']} s on {hw.meta['machine']}")
+        print(f"wrote {a.out}")
+    if created:
+        dist.destroy_process_group()
+    return 0
+
+
+def calibrate_main(argv: list[str]) -> int:
+    """Measure all-reduce, all-gather, reduce-scatter, all-to-all over a size sweep and
+    group sizes on the current backend; fit and save a JSON profile. Run under torchrun."""
+    p = argparse.ArgumentParser(prog="python -m moepar calibrate", description=calibrate_main.__doc__)
+    p.add_argument("--out", default="profile.json")
+    p.add_argument("--min-size", default="64K")
+    p.add_argument("--max-size", default="64M")
+    p.add_argument("--factor", type=float, default=2 ** 0.5, help="ratio between consecutive sizes (default sqrt 2)")
+    p.add_argument("--group-sizes", help="default: 2,4,8 that divide the world")
+    p.add_argument("--ops", help=f"default: {','.join(OPS)}")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--dtype", default="fp32", help="fp32 bf16 fp16")
+    p.add_argument("--no-pin", action="store_true", help="on CPU, do not pin rank r to core r %% cores")
+    return _guard(_calibrate, p, argv)
+
+
+def _validate(a: argparse.Namespace) -> int:
+    import torch.distributed as dist
+
+    from .hardware import load_profile
+    from .report import markdown_table
+    from .calibrate import pinned_to_core
+    from .validate import format_validation, run_validation, validation_json
+    hw = load_profile(a.profile)
+    created = not (dist.is_available() and dist.is_initialized())
+    with pinned_to_core(not a.no_pin):
+        res = run_validation(hw, repeats=a.repeats, warmup=a.warmup,
+                             group_sizes=_int_list(a.group_sizes) if a.group_sizes else None, quick=a.quick)
+    code = 0
+    if dist.get_rank() == 0:
+        print(format_validation(res))
+        if a.json:
+            with open(a.json, "w") as f:
+                f.write(validation_json(res))
+            print(f"wrote {a.json}")
+        if a.markdown:
+            with open(a.markdown, "w") as f:
+                f.write(format_validation(res, table=markdown_table) + "\n")
+            print(f"wrote {a.markdown}")
+    if a.check:
+        s = res.summary()
+        basis = s["median_rel_error_drift_corrected" if a.check_drift_corrected else "median_rel_error"]
+        errs = [basis.get(op) for op in ("all_reduce", "all_to_all")]
+        acc = s["pick_accuracy"]
+        ok = all(e is not None and e <= a.max_median_error for e in errs) and (acc is None or acc >= a.min_pick_accuracy)
+        code = 0 if ok else 1
+    if created:
+        dist.destroy_process_group()
+    return code
+
+
+def validate_main(argv: list[str]) -> int:
+    """Predicted vs measured time of real collectives and EP-vs-TP cases (and any registered
+    row source), at sizes calibration did not measure. Run under torchrun after calibrate."""
+    p = argparse.ArgumentParser(prog="python -m moepar validate", description=validate_main.__doc__)
+    p.add_argument("--profile", default="profile.json", help="written by `python -m moepar calibrate`")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--group-sizes", help="default: those in the profile that divide the world")
+    p.add_argument("--quick", action="store_true", help="fewer EP-vs-TP cases (smoke tests)")
+    p.add_argument("--no-pin", action="store_true", help="on CPU, do not pin rank r to core r %% cores")
+    p.add_argument("--json", help="write rows and summary as JSON here")
+    p.add_argument("--markdown", help="write the table as Markdown here")
+    p.add_argument("--check", action="store_true", help="exit 1 if the thresholds below are missed")
+    p.add_argument("--max-median-error", type=float, default=0.20)
+    p.add_argument("--min-pick-accuracy", type=float, default=0.90)
+    p.add_argument("--check-drift-corrected", action="store_true",
+                   help="--check the errors after scaling by the measured drift since calibration")
+    return _guard(_validate, p, argv)

@@ -1,0 +1,181 @@
+"""Expert parallelism against tensor slicing for the same FFN, crossovers, and ``recommend``.
+
+What is counted (per rank, per MoE layer, per training step, T tokens at each rank's
+layer input, group of n ranks, b bytes per element):
+  EP: 4 all-to-alls of T·K·D·b (dispatch and combine, forward and backward; the tiny
+      counts exchange is left out); each sends (n-1)/n of its buffer.
+  TP: 4 all-reduces of T·D·b (2 forward: attention-style row-parallel output and the
+      FFN's; 2 backward: their mirrors, Megatron's f/g); each sends 2(n-1)/n of it.
+So EP sends 4(n-1)/n·T·K·D·b and TP 8(n-1)/n·T·D·b: EP / TP = K / 2 in bytes (top-1 EP
+half of TP, top-2 equal, top-8 four times); the times differ by the algorithms'
+latencies and by which links each uses once the group spans nodes.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from .accounting import StepCost, step_cost
+from .collectives import Link, Placement, sent_bytes
+from .hardware import Hardware
+from .model import CostLayout, MoESpec, divisors
+
+EP_A2A_PER_STEP = 4
+TP_AR_PER_STEP = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """EP vs TP for one (T, D, K, n): bytes per collective, bytes sent, times (per step)."""
+
+    tokens: int
+    hidden: int
+    topk: int
+    group_size: int
+    ep_bytes: float          # per all-to-all, size convention: T·K·D·b
+    tp_bytes: float          # per all-reduce: T·D·b
+    ep_sent: float           # 4 x (n-1)/n x ep_bytes
+    tp_sent: float           # 4 x 2(n-1)/n x tp_bytes
+    ep_time: float
+    tp_time: float
+
+    @property
+    def ratio(self) -> float:
+        """EP time / TP time (< 1: expert parallelism is faster)."""
+        return self.ep_time / self.tp_time if self.tp_time else math.inf
+
+    @property
+    def winner(self) -> str:
+        return "EP" if self.ep_time < self.tp_time else "TP"
+
+
+def ep_vs_tp(hw: Hardware, hidden: int, tokens: int, topk: float, group_size: int,
+             gpus_per_node: int | None = None, dtype_bytes: int = 2, a2a_algo: str = "pairwise",
+             ar_algo: str = "ring") -> Comparison:
+    """Price EP's 4 all-to-alls against TP's 4 all-reduces for one group of ``group_size``."""
+    for name, v in (("hidden", hidden), ("tokens", tokens), ("group_size", group_size)):
+        if v < 1:
+            raise ValueError(f"{name}={v} must be >= 1")
+    pl = Placement.contiguous(group_size, gpus_per_node or hw.gpus_per_node)
+    ep_b = tokens * topk * hidden * dtype_bytes
+    tp_b = tokens * hidden * dtype_bytes
+    return Comparison(tokens, hidden, topk, group_size, ep_b, tp_b,
+                      EP_A2A_PER_STEP * sent_bytes("all_to_all", pl, ep_b, a2a_algo),
+                      TP_AR_PER_STEP * sent_bytes("all_reduce", pl, tp_b, ar_algo),
+                      EP_A2A_PER_STEP * hw.collective_time("all_to_all", pl, ep_b, a2a_algo),
+                      TP_AR_PER_STEP * hw.collective_time("all_reduce", pl, tp_b, ar_algo))
+
+
+def crossover_topk(hw: Hardware, hidden: int, tokens: int, group_size: int, **kw) -> float:
+    """K* with EP time = TP time: EP is faster for K < K* (0: never; inf: always, K <= 4096)."""
+    def diff(k):
+        c = ep_vs_tp(hw, hidden, tokens, k, group_size, **kw)
+        return c.ep_time - c.tp_time
+    lo, hi = 1e-6, 4096.0
+    if diff(lo) >= 0:
+        return 0.0
+    if diff(hi) < 0:
+        return math.inf
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if diff(mid) < 0 else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def scale_bandwidth(hw: Hardware, factor: float) -> Hardware:
+    """The same machine with both links ``factor`` x faster (measured curves dropped)."""
+    def s(link: Link) -> Link:
+        return dataclasses.replace(link, bandwidth=link.bandwidth * factor)
+    return hw.replace(intra=s(hw.intra), inter=s(hw.inter), curves={})
+
+
+def sweep(hw: Hardware, param: str, values, hidden: int, tokens: int, topk: float, group_size: int,
+          **kw) -> tuple[list[Comparison], list[str]]:
+    """EP vs TP along one of tokens | hidden | topk | group_size | bandwidth (a factor on both
+    links); returns the rows and, where the winner flips, the crossover located by bisection
+    (group size, being discrete, is reported between neighbours)."""
+    base = dict(hidden=hidden, tokens=tokens, topk=topk, group_size=group_size)
+    if param not in (*base, "bandwidth"):
+        raise ValueError(f"param={param!r} is not sweepable; valid: tokens, hidden, topk, group_size, bandwidth")
+
+    def at(v):
+        if param == "bandwidth":
+            return ep_vs_tp(scale_bandwidth(hw, v), **base, **kw)
+        return ep_vs_tp(hw, **{**base, param: v}, **kw)
+
+    rows = [at(v) for v in values]
+    notes = []
+    for (v0, r0), (v1, r1) in zip(zip(values, rows), zip(values[1:], rows[1:])):
+        if r0.winner == r1.winner:
+            continue
+        if param == "group_size":
+            notes.append(f"{param}: {r0.winner} at {v0}, {r1.winner} at {v1}")
+            continue
+        lo, hi = float(v0), float(v1)
+        for _ in range(40):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if at(mid).winner == r0.winner else (lo, mid)
+        notes.append(f"{param} crossover at {lo:.4g}: {r0.winner} below, {r1.winner} above")
+    label = "link bandwidth factor" if param == "bandwidth" else param
+    notes = [n.replace(f"{param} ", f"{label} ", 1) for n in notes]
+    if not notes and rows:
+        notes.append(f"{rows[0].winner} faster for every {label} in {values[0]:.4g}..{values[-1]:.4g}")
+    return rows, notes
+
+
+# ---- recommend ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    cost: StepCost
+    fits: bool
+
+
+def candidate_layouts(spec: MoESpec, gpus: int, gpus_per_node: int, zero_stages=(0, 1, 2, 3),
+                      cross_node_tp: bool = False) -> list[CostLayout]:
+    """Layouts of ``gpus`` whose sizes divide the model; TP and expert-TP stay inside a
+    node unless ``cross_node_tp``."""
+    out = []
+    for tp in divisors(gpus):
+        if (tp > gpus_per_node and not cross_node_tp) or spec.hidden % tp or spec.tokens % tp:
+            continue
+        if spec.heads and (spec.heads % tp or (spec.kv_heads or spec.heads) % tp):
+            continue
+        if spec.shared_experts and spec.fs % tp:
+            continue
+        for sp in ((False, True) if tp > 1 else (False,)):
+            for ep in divisors(spec.experts):
+                if gpus % ep:
+                    continue
+                for etp in divisors(gpus // ep):
+                    if spec.ffn % etp or (etp > gpus_per_node and not cross_node_tp):
+                        continue
+                    for zero in zero_stages:
+                        out.append(CostLayout(gpus, gpus_per_node, tp, ep, etp, sp, zero))
+    return out
+
+
+def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None = None,
+              memory_bytes: float | None = None, global_tokens: int | None = None,
+              compute_efficiency: float = 1.0, zero_stages=(0, 1, 2, 3),
+              cross_node_tp: bool = False) -> list[Candidate]:
+    """Every layout of ``gpus`` ranked by predicted step time (communication + compute),
+    those that fit in ``memory_bytes`` first. The global batch is fixed at ``global_tokens``
+    (default ``spec.tokens x spec.micro_batches x gpus``): a layout with dp replicas runs
+    global / (tokens x dp) micro-batches of ``spec.tokens`` tokens."""
+    gpn = gpus_per_node or hw.gpus_per_node
+    mem = memory_bytes or hw.memory_bytes
+    hw = hw.replace(memory_bytes=mem, gpus_per_node=gpn)
+    total = global_tokens or spec.tokens * spec.micro_batches * gpus
+    out = []
+    for layout in candidate_layouts(spec, gpus, gpn, zero_stages, cross_node_tp):
+        per_replica = total / layout.dp
+        t = min(spec.tokens, max(layout.tp, int(per_replica) // layout.tp * layout.tp))
+        s = spec.replace(tokens=t, micro_batches=max(1, math.ceil(per_replica / t)))
+        cost = step_cost(s, layout, hw, compute_efficiency)
+        out.append(Candidate(cost, cost.fits))
+    # Fitting layouts by step time (ties, e.g. ZeRO 0/1/2 moving the same bytes: less memory
+    # first), then the rest by memory.
+    out.sort(key=lambda c: (not c.fits, round(c.cost.step_time, 12) if c.fits else c.cost.memory.total,
+                            c.cost.memory.total))
+    return out

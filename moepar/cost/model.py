@@ -1,0 +1,365 @@
+"""Model and layout specs, and the EP-aware per-rank parameters, FLOPs and memory.
+
+Legend: D hidden, F expert ffn, Fs shared-expert ffn, E experts, K top-k, T tokens per
+micro-batch at the MoE layer input of each TP group (replicated over its tp ranks; with
+sequence parallelism each holds T/tp), L layers, b bytes per activation element,
+P_e = (3 if gated else 2)·D·F parameters of one expert, R rows (routes) one rank's
+experts process per micro-batch.
+
+Parameters are counted per rank: dense weights (attention, shared experts, embeddings)
+are sliced by tp, router and norms replicated; experts: E/ep per rank, each sliced by etp.
+FLOPs follow the 6·N rule (2 forward + 4 backward per parameter per token) with N the
+parameters a token actually multiplies: attention, router, shared experts, K experts
+(not E) and the output projection; the input embedding is a lookup and norms are
+negligible. A rank's expert FLOPs are 6·R·P_e: its experts' work on the routes it
+*receives*, which under expert parallelism come from other data-parallel replicas.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from ..parallel.groups import Layout
+from .collectives import Placement
+
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+ADAM_BYTES_PER_PARAM = 12   # fp32 master weights + Adam m and v (ZeRO paper's K = 12)
+
+# Public model shapes, for ``--model``: Mixtral-8x7B's config.json (mistralai/Mixtral-8x7B-v0.1).
+MODELS = {
+    "mixtral-8x7b": dict(hidden=4096, ffn=14336, experts=8, topk=2, layers=32, heads=32,
+                         kv_heads=8, vocab=32000),
+}
+
+
+def _positive(**values) -> None:
+    for name, v in values.items():
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class MoESpec:
+    """A transformer with an MoE FFN in every layer, and one micro-batch of ``tokens``."""
+
+    hidden: int
+    ffn: int
+    experts: int
+    topk: int
+    tokens: int
+    dtype: str = "bf16"
+    capacity_factor: float | None = None   # None: dropless
+    min_capacity: int = 4
+    pad_to_capacity: bool = False
+    shared_experts: int = 0
+    shared_ffn: int | None = None          # default: ffn
+    gated: bool = True                     # SwiGLU: 3 matrices per expert, else 2
+    layers: int = 1
+    heads: int | None = None               # None: 4·D² attention parameters (MHA)
+    kv_heads: int | None = None
+    vocab: int = 0                         # 0: no embeddings counted
+    tie_embeddings: bool = False
+    seq_len: int | None = None             # adds 12·L·seq·D attention-score FLOPs per token
+    imbalance: float = 1.0                 # max/mean routes over EP ranks
+    micro_batches: int = 1
+
+    def __post_init__(self) -> None:
+        _positive(hidden=self.hidden, ffn=self.ffn, experts=self.experts, topk=self.topk,
+                  tokens=self.tokens, min_capacity=self.min_capacity, layers=self.layers,
+                  heads=self.heads, kv_heads=self.kv_heads, micro_batches=self.micro_batches,
+                  shared_ffn=self.shared_ffn, seq_len=self.seq_len)
+        if self.topk > self.experts:
+            raise ValueError(f"topk={self.topk} must be <= experts={self.experts}")
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype={self.dtype!r} is not known; valid: {', '.join(DTYPE_BYTES)}")
+        if self.capacity_factor is not None and not self.capacity_factor > 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
+        if self.shared_experts < 0 or self.vocab < 0:
+            raise ValueError(f"shared_experts={self.shared_experts} and vocab={self.vocab} must be >= 0")
+        if not self.imbalance >= 1.0:
+            raise ValueError(f"imbalance={self.imbalance} must be >= 1 (max/mean tokens per rank)")
+        if self.heads is not None and self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.kv_heads is not None and (self.heads is None or self.heads % self.kv_heads):
+            raise ValueError(f"heads={self.heads} must be given and divisible by kv_heads={self.kv_heads}")
+
+    @property
+    def b(self) -> int:
+        """Bytes per activation (and weight) element."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def fs(self) -> int:
+        return self.ffn if self.shared_ffn is None else self.shared_ffn
+
+    @property
+    def mats(self) -> int:
+        return 3 if self.gated else 2
+
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor is None
+
+    def replace(self, **changes) -> "MoESpec":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class CostLayout:
+    """How ``gpus`` ranks are used: tp x dp for dense layers, etp x ep x edp for experts."""
+
+    gpus: int
+    gpus_per_node: int = 8
+    tp: int = 1
+    ep: int = 1
+    etp: int = 1
+    sp: bool = False
+    zero: int = 0
+
+    def __post_init__(self) -> None:
+        _positive(gpus=self.gpus, gpus_per_node=self.gpus_per_node, tp=self.tp, ep=self.ep, etp=self.etp)
+        if self.zero not in (0, 1, 2, 3):
+            raise ValueError(f"zero={self.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
+        if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            raise ValueError(f"gpus={self.gpus} is not a whole number of nodes of "
+                             f"gpus_per_node={self.gpus_per_node}")
+        if self.gpus % self.tp:
+            raise ValueError(f"gpus={self.gpus} is not divisible by tp={self.tp}; "
+                             f"valid tp: {', '.join(map(str, divisors(self.gpus)))}")
+        if self.gpus % (self.ep * self.etp):
+            valid = [d for d in divisors(self.gpus // self.etp) if self.gpus % (d * self.etp) == 0]
+            raise ValueError(f"gpus={self.gpus} is not divisible by ep x etp = {self.ep} x {self.etp}; "
+                             f"valid ep with etp={self.etp}: {', '.join(map(str, valid))}")
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // self.tp
+
+    @property
+    def edp(self) -> int:
+        return self.gpus // (self.ep * self.etp)
+
+    @property
+    def nodes(self) -> int:
+        return max(1, self.gpus // self.gpus_per_node)
+
+    def size(self, kind: str) -> int:
+        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "etp": self.etp, "edp": self.edp}[kind]
+
+    def placement(self, kind: str) -> Placement:
+        """Where the first group of this kind sits (``moepar.parallel.groups`` rank order)."""
+        if self.size(kind) == 1:
+            return Placement(1, 1)
+        ranks = Layout(self.gpus, self.tp, self.ep, self.etp).all_groups()[kind][0]
+        return Placement.of_ranks(ranks, self.gpus_per_node)
+
+    def warnings(self) -> list[str]:
+        out = []
+        for kind in ("tp", "etp"):
+            if self.size(kind) > self.gpus_per_node:
+                out.append(f"{kind}={self.size(kind)} > gpus_per_node={self.gpus_per_node}: its "
+                           f"collectives (every layer, forward and backward) cross the inter-node link")
+        return out
+
+    def describe(self) -> str:
+        return (f"{self.gpus} GPUs ({self.nodes} node(s) x {min(self.gpus, self.gpus_per_node)}): "
+                f"tp={self.tp} dp={self.dp} | ep={self.ep} etp={self.etp} edp={self.edp} | "
+                f"sp={'on' if self.sp else 'off'} zero={self.zero}")
+
+
+def check_fits(spec: MoESpec, layout: CostLayout) -> None:
+    """Raise one ValueError listing every size that does not divide, with the valid values."""
+    problems = []
+
+    def need(value: int, name: str, by: int, byname: str) -> None:
+        if value % by:
+            valid = [d for d in divisors(value) if layout.gpus % d == 0]
+            problems.append(f"{name}={value} is not divisible by {byname}={by} "
+                            f"(valid {byname}: {', '.join(map(str, valid))})")
+
+    need(spec.experts, "experts", layout.ep, "ep")
+    need(spec.ffn, "ffn", layout.etp, "etp")
+    need(spec.hidden, "hidden", layout.tp, "tp")
+    need(spec.tokens, "tokens", layout.tp, "tp")
+    if spec.heads is not None:
+        need(spec.heads, "heads", layout.tp, "tp")
+        need(spec.kv_heads or spec.heads, "kv_heads", layout.tp, "tp")
+    if spec.shared_experts:
+        need(spec.fs, "shared_ffn", layout.tp, "tp")
+    if problems:
+        raise ValueError(f"layout {layout.describe()} does not fit the model: " + "; ".join(problems))
+
+
+# ---- parameters -----------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """Parameter counts: per layer pieces, whole model, and this rank's share."""
+
+    attention: int       # per layer
+    router: int          # per layer
+    norms: int           # per layer
+    expert: int          # one expert
+    shared: int          # all shared experts of a layer
+    embeddings: int      # input + output (once if tied)
+    final_norm: int
+    total: int
+    active: int          # parameters one token touches (K experts, not E)
+    dense_rank: int
+    expert_rank: int
+
+    @property
+    def rank(self) -> int:
+        return self.dense_rank + self.expert_rank
+
+
+def count_params(spec: MoESpec, layout: CostLayout) -> Params:
+    D, L = spec.hidden, spec.layers
+    if spec.heads is None:
+        attention = 4 * D * D
+    else:
+        kv_dim = (spec.kv_heads or spec.heads) * (D // spec.heads)
+        attention = 2 * D * D + 2 * D * kv_dim           # q, o: D x D; k, v: D x kv_dim
+    router = D * spec.experts
+    norms = 2 * D
+    expert = spec.mats * D * spec.ffn
+    shared = spec.shared_experts * spec.mats * D * spec.fs
+    embeddings = spec.vocab * D * (1 if spec.tie_embeddings else 2)
+    final_norm = D if spec.vocab else 0
+    dense_layer = attention + router + norms + shared
+    total = L * (dense_layer + spec.experts * expert) + embeddings + final_norm
+    active = L * (dense_layer + spec.topk * expert) + embeddings + final_norm
+    dense_rank = (L * (attention // layout.tp + router + norms + shared // layout.tp)
+                  + embeddings // layout.tp + final_norm)
+    expert_rank = L * (spec.experts // layout.ep) * (expert // layout.etp)
+    return Params(attention, router, norms, expert, shared, embeddings, final_norm, total, active,
+                  dense_rank, expert_rank)
+
+
+# ---- routes ---------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Routes:
+    """Rows per rank per micro-batch: what it dispatches/receives (mean and most loaded)."""
+
+    local_tokens: int        # T/tp: the TP ranks split the replicated tokens
+    mean: float
+    max: float
+    capacity: int | None     # C rows per expert per sender, capacity mode only
+
+
+def routes_per_rank(spec: MoESpec, layout: CostLayout) -> Routes:
+    t_local = spec.tokens // layout.tp
+    routes = t_local * spec.topk
+    if spec.dropless:
+        return Routes(t_local, float(routes), routes * spec.imbalance, None)
+    cap = max(math.ceil(routes / spec.experts * spec.capacity_factor), spec.min_capacity)
+    full = spec.experts * cap   # a receiver gets at most C per local expert from each of ep senders
+    if spec.pad_to_capacity:
+        return Routes(t_local, float(full), float(full), cap)
+    return Routes(t_local, float(min(routes, full)), float(min(routes * spec.imbalance, full)), cap)
+
+
+def imbalance_from_counts(tokens_per_expert, ep: int) -> float:
+    """max/mean tokens over EP ranks from measured per-expert counts (experts contiguous)."""
+    counts = [float(c) for c in tokens_per_expert]
+    if not counts or len(counts) % ep:
+        raise ValueError(f"{len(counts)} expert counts are not divisible by ep={ep}")
+    per = len(counts) // ep
+    loads = [sum(counts[i * per:(i + 1) * per]) for i in range(ep)]
+    mean = sum(loads) / ep
+    if mean <= 0:
+        raise ValueError("routing counts sum to 0: no tokens were routed")
+    return max(loads) / mean
+
+
+# ---- FLOPs ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Flops:
+    """Training FLOPs (forward + backward) per micro-batch unless named per step."""
+
+    per_token: float             # model FLOPs per token: 6·N_active_matmul (+ attention scores)
+    model: float                 # all replicas, one micro-batch: per_token · T · dp
+    rank_mean: float             # one rank, balanced routing
+    rank_max: float              # the most loaded rank (imbalance, padding)
+    rank_expert_max: float
+    deepspeed_style: float       # rank_max · mp_size(tp) · dp: DeepSpeed profiler's scaling
+    per_step_rank_max: float
+
+
+def count_flops(spec: MoESpec, layout: CostLayout, params: Params | None = None,
+                routes: Routes | None = None) -> Flops:
+    p = params or count_params(spec, layout)
+    r = routes or routes_per_rank(spec, layout)
+    D, L, T, tp = spec.hidden, spec.layers, spec.tokens, layout.tp
+    lm_head = spec.vocab * D
+    score = 12 * L * spec.seq_len * D if spec.seq_len else 0      # QK^T and AV, fwd + bwd
+    per_token = 6 * (L * (p.attention + p.router + p.shared + spec.topk * p.expert) + lm_head) + score
+    # Dense work: every TP rank multiplies the group's T tokens by 1/tp of the weights; the
+    # router is replicated, on T tokens (T/tp with sequence parallelism).
+    t_router = T // tp if layout.sp else T
+    dense = 6 * T * (L * (p.attention + p.shared) + lm_head) / tp + 6 * t_router * L * p.router + score * T / tp
+    expert_mean = 6 * r.mean * L * p.expert
+    expert_max = 6 * r.max * L * p.expert
+    rank_max = dense + expert_max
+    return Flops(per_token, per_token * T * layout.dp, dense + expert_mean, rank_max, expert_max,
+                 rank_max * tp * layout.dp, rank_max * spec.micro_batches)
+
+
+# ---- memory ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per rank: weights, gradients, optimizer state (ZeRO-sharded), activations."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations
+
+
+def activation_bytes(spec: MoESpec, layout: CostLayout, routes: Routes | None = None) -> float:
+    """Activations kept for backward, one micro-batch, all layers, no recomputation, flash
+    attention (no T x T scores). An estimate: it counts the tensors named below."""
+    r = routes or routes_per_rank(spec, layout)
+    D, T, tp, b = spec.hidden, spec.tokens, layout.tp, spec.b
+    t_sp = T // tp if layout.sp else T           # tokens of a replicated [T, D] tensor on this rank
+    kv_dim = (spec.kv_heads or spec.heads or 1) * (D // (spec.heads or 1)) if spec.heads else D
+    attn = (2 * t_sp * D                          # two norm inputs (residual stream)
+            + t_sp * D                            # QKV input
+            + T * (D + 2 * kv_dim) // tp          # Q, K, V
+            + T * D // tp) * b                    # attention context (o-proj input)
+    router = t_sp * spec.experts * 4 * 2          # fp32 logits and probabilities
+    # Expert rows: the (all-gathered, with etp) dispatched input etp·R x D; the hidden
+    # gate/up outputs and activation (3F gated, 2F plain, sliced F/etp over etp·R rows);
+    # the expert outputs R x D, kept for the routing-weight gradient.
+    experts = (layout.etp * r.max * D + r.max * spec.mats * spec.ffn + r.max * D) * b
+    shared = spec.shared_experts * (t_sp * D + T * spec.mats * spec.fs // tp) * b
+    return spec.layers * (attn + router + experts + shared)
+
+
+def memory_per_rank(spec: MoESpec, layout: CostLayout, params: Params | None = None,
+                    routes: Routes | None = None, param_bytes: int | None = None) -> Memory:
+    """ZeRO stage 1 shards optimizer state, 2 also gradients, 3 also weights: dense over dp,
+    experts over edp (expert-data-parallel replicas)."""
+    p = params or count_params(spec, layout)
+    pb = spec.b if param_bytes is None else param_bytes
+    z = layout.zero
+    dense_w = p.dense_rank / (layout.dp if z >= 3 else 1)
+    exp_w = p.expert_rank / (layout.edp if z >= 3 else 1)
+    dense_g = p.dense_rank / (layout.dp if z >= 2 else 1)
+    exp_g = p.expert_rank / (layout.edp if z >= 2 else 1)
+    dense_o = p.dense_rank / (layout.dp if z >= 1 else 1)
+    exp_o = p.expert_rank / (layout.edp if z >= 1 else 1)
+    return Memory((dense_w + exp_w) * pb, (dense_g + exp_g) * pb,
+                  (dense_o + exp_o) * ADAM_BYTES_PER_PARAM,
+                  activation_bytes(spec, layout, routes))

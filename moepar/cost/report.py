@@ -1,0 +1,281 @@
+"""Reports: the numbers of a ``StepCost`` as a terminal table, Markdown, JSON and a PNG.
+
+``build_report`` gathers everything as plain data (what ``--json`` writes); the renderers
+only format it. ``measured_vs_predicted`` puts the collectives a run recorded through
+``moepar.parallel.comm.track()`` beside the model's prediction for the same calls.
+"""
+from __future__ import annotations
+
+import json
+from typing import Iterable, Sequence
+
+from ..bench.common import format_table
+from .accounting import StepCost, step_cost
+from .collectives import Placement
+from .compare import crossover_topk, ep_vs_tp, sweep
+from .hardware import Hardware
+from .model import CostLayout, MoESpec
+from .units import fmt_bytes, fmt_count, fmt_rate, fmt_time
+
+DEEPSPEED_NOTE = (
+    "DeepSpeed's flops profiler reports 'params of model = params per GPU x mp_size' and "
+    "'fwd flops of model = fwd flops per GPU x mp_size'. Under expert parallelism a rank holds "
+    "E/ep experts, so params x mp_size misses the other experts (the right total is dense x tp + "
+    "experts x ep x etp), and a rank's expert FLOPs are its work on routes received from other "
+    "data-parallel replicas: scaling one rank by the model-parallel size is exact only for "
+    "balanced, dropless, unpadded routing. Here model FLOPs count routes (T x K per token, "
+    "6 x N_active) and per-rank FLOPs count the rows the rank's experts actually process.")
+
+
+def _group_sizes(gpus: int) -> list[int]:
+    out, n = [], 2
+    while n <= gpus:
+        out.append(n)
+        n *= 2
+    return out or [1]
+
+
+def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None) -> dict:
+    """Everything the renderers print, as JSON-able data (seconds, bytes, counts)."""
+    s, lay, hw, p, f, m, r = (cost.spec, cost.layout, cost.hardware, cost.params, cost.flops,
+                              cost.memory, cost.routes)
+    L, mb = s.layers, s.micro_batches
+
+    def calls(cs):
+        return [{"name": c.name, "phase": c.phase, "op": c.op, "algo": c.algo, "group": c.group,
+                 "group_size": c.group_size, "nodes": lay.placement(c.group).nodes, "bytes": c.nbytes,
+                 "formula": c.formula, "sent_bytes": c.sent, "count": c.count, "seconds": c.seconds,
+                 "per": c.per} for c in cs]
+
+    sizes = list(compare_sizes or _group_sizes(lay.gpus))
+    algos = {c.op: c.algo for c in cost.layer if c.op in ("all_to_all", "all_reduce")}
+    kw = dict(gpus_per_node=lay.gpus_per_node, dtype_bytes=s.b, a2a_algo=algos.get("all_to_all", "pairwise"),
+              ar_algo=algos.get("all_reduce", "ring"))
+    comparison = []
+    for n in sizes:
+        c = ep_vs_tp(hw, s.hidden, s.tokens, s.topk, n, **kw)
+        comparison.append({"group_size": n, "ep_bytes": c.ep_bytes, "tp_bytes": c.tp_bytes,
+                           "ep_sent": c.ep_sent, "tp_sent": c.tp_sent, "ep_seconds": c.ep_time,
+                           "tp_seconds": c.tp_time, "ratio": c.ratio, "winner": c.winner,
+                           "k_star": crossover_topk(hw, s.hidden, s.tokens, n, **kw)})
+    n_ref = lay.ep if lay.ep > 1 else max(lay.tp, 2)
+    crossovers = []
+    for param, values in (("tokens", [2 ** i for i in range(6, 19)]), ("hidden", [2 ** i for i in range(8, 15)]),
+                          ("bandwidth", [2.0 ** i for i in range(-6, 5)])):
+        crossovers += sweep(hw, param, values, s.hidden, s.tokens, s.topk, n_ref, **kw)[1]
+    crossovers += sweep(hw, "group_size", sizes, s.hidden, s.tokens, s.topk, n_ref, **kw)[1]
+    by_phase = {ph: sum(c.total_seconds for c in cost.layer if c.phase == ph) for ph in ("fwd", "bwd")}
+    return {
+        "model": {k: v for k, v in vars(s).items()},
+        "layout": {**vars(lay), "dp": lay.dp, "edp": lay.edp, "nodes": lay.nodes, "describe": lay.describe()},
+        "hardware": {"name": hw.name, "description": hw.description, "intra": vars(hw.intra),
+                     "inter": vars(hw.inter), "gpus_per_node": hw.gpus_per_node, "flops": hw.flops,
+                     "memory_bytes": hw.memory_bytes, "calibrated": hw.calibrated, "sources": list(hw.sources),
+                     "meta": dict(hw.meta)},
+        "warnings": lay.warnings() + ([f"profile measured on one node; {lay.nodes} nodes use its link "
+                                       f"model for the inter-node link"] if hw.calibrated and lay.nodes > 1 else []),
+        "params": {"per_layer": {"attention": p.attention, "router": p.router, "norms": p.norms,
+                                 "expert": p.expert, "shared": p.shared},
+                   "embeddings": p.embeddings, "total": p.total, "active": p.active,
+                   "rank_dense": p.dense_rank, "rank_expert": p.expert_rank, "rank": p.rank,
+                   "deepspeed_style_total": p.rank * lay.tp},
+        "routes": {"local_tokens": r.local_tokens, "mean": r.mean, "max": r.max, "capacity": r.capacity},
+        "flops": {"per_token": f.per_token, "model_per_microbatch": f.model, "rank_mean": f.rank_mean,
+                  "rank_max": f.rank_max, "rank_expert_max": f.rank_expert_max,
+                  "deepspeed_style_model": f.deepspeed_style, "rank_per_step": f.per_step_rank_max},
+        "memory": {"weights": m.weights, "grads": m.grads, "optimizer": m.optimizer,
+                   "activations": m.activations, "total": m.total, "capacity": hw.memory_bytes, "fits": cost.fits},
+        "layer_collectives": calls(cost.layer), "step_collectives": calls(cost.step),
+        "time": {"layer_fwd": by_phase["fwd"], "layer_bwd": by_phase["bwd"], "layer": cost.comm_per_layer,
+                 "comm_per_step": cost.comm_per_step, "compute_per_step": cost.compute_per_step,
+                 "step": cost.step_time, "compute_efficiency": cost.compute_efficiency,
+                 "layers": L, "micro_batches": mb},
+        "ep_vs_tp": {"tokens": s.tokens, "hidden": s.hidden, "topk": s.topk, "rows": comparison,
+                     "crossovers": crossovers, "reference_group_size": n_ref,
+                     "counted": "EP: 4 all-to-alls of T·K·D·b; TP: 4 all-reduces of T·D·b, per layer per step"},
+        "notes": [DEEPSPEED_NOTE],
+    }
+
+
+def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
+    """(title, rows of display strings) for the text and Markdown renderers."""
+    P, F, M, T, R = rep["params"], rep["flops"], rep["memory"], rep["time"], rep["routes"]
+    lay = rep["layout"]
+    summary = [
+        {"quantity": "params per rank (dense / expert / total)",
+         "value": f"{fmt_count(P['rank_dense'])} / {fmt_count(P['rank_expert'])} / {fmt_count(P['rank'])}"},
+        {"quantity": "params of model (total / active per token)",
+         "value": f"{fmt_count(P['total'])} / {fmt_count(P['active'])}"},
+        {"quantity": "DeepSpeed-style params (per GPU x mp_size) [wrong under EP]",
+         "value": fmt_count(P["deepspeed_style_total"])},
+        {"quantity": "routes per rank per micro-batch (mean / most loaded)",
+         "value": f"{R['mean']:.6g} / {R['max']:.6g}" + (f", capacity {R['capacity']}" if R["capacity"] else "")},
+        {"quantity": "train FLOPs per token (6·N_active)", "value": fmt_count(F["per_token"])},
+        {"quantity": "FLOPs per micro-batch: rank mean / most loaded / model",
+         "value": f"{fmt_count(F['rank_mean'])} / {fmt_count(F['rank_max'])} / {fmt_count(F['model_per_microbatch'])}"},
+        {"quantity": "DeepSpeed-style model FLOPs (most loaded rank x mp_size x dp)",
+         "value": fmt_count(F["deepspeed_style_model"])},
+        {"quantity": f"memory per rank, ZeRO-{lay['zero']} (weights / grads / optimizer / activations)",
+         "value": " / ".join(fmt_bytes(M[k]) for k in ("weights", "grads", "optimizer", "activations"))},
+        {"quantity": "memory per rank total / GPU memory",
+         "value": f"{fmt_bytes(M['total'])} / {fmt_bytes(M['capacity'])} ({'fits' if M['fits'] else 'DOES NOT FIT'})"},
+        {"quantity": "communication per layer (fwd / bwd)",
+         "value": f"{fmt_time(T['layer_fwd'])} / {fmt_time(T['layer_bwd'])}"},
+        {"quantity": f"per step: comm / compute (at {T['compute_efficiency']:.0%} of peak) / total",
+         "value": f"{fmt_time(T['comm_per_step'])} / {fmt_time(T['compute_per_step'])} / {fmt_time(T['step'])}"},
+    ]
+
+    def call_rows(cs):
+        return [{"phase": c["phase"], "collective": c["name"], "op": f"{c['op']} ({c['algo']})",
+                 "group": f"{c['group']} n={c['group_size']}" + (f" {c['nodes']} nodes" if c["nodes"] > 1 else ""),
+                 "bytes/rank": fmt_bytes(c["bytes"]), "= formula": c["formula"], "sent/rank": fmt_bytes(c["sent_bytes"]),
+                 "x": c["count"], "time": fmt_time(c["seconds"] * c["count"])} for c in cs]
+
+    cmp_rows = [{"n": c["group_size"], "EP a2a bytes": fmt_bytes(c["ep_bytes"]), "TP AR bytes": fmt_bytes(c["tp_bytes"]),
+                 "EP sent": fmt_bytes(c["ep_sent"]), "TP sent": fmt_bytes(c["tp_sent"]),
+                 "EP time": fmt_time(c["ep_seconds"]), "TP time": fmt_time(c["tp_seconds"]),
+                 "EP/TP": f"{c['ratio']:.3g}", "faster": c["winner"],
+                 "EP faster for K <": f"{c['k_star']:.3g}"} for c in rep["ep_vs_tp"]["rows"]]
+    return [("Summary", summary),
+            ("Collectives per layer and micro-batch (most loaded rank)", call_rows(rep["layer_collectives"])),
+            ("Collectives per step (data parallel)", call_rows(rep["step_collectives"])),
+            (f"EP vs TP for this FFN (T={rep['ep_vs_tp']['tokens']}, D={rep['ep_vs_tp']['hidden']}, "
+             f"K={rep['ep_vs_tp']['topk']}; {rep['ep_vs_tp']['counted']})", cmp_rows)]
+
+
+def _header(rep: dict) -> list[str]:
+    m, hw = rep["model"], rep["hardware"]
+    lines = [f"model: D={m['hidden']} F={m['ffn']} E={m['experts']} K={m['topk']} T={m['tokens']} "
+             f"{m['dtype']} layers={m['layers']} "
+             + ("dropless" if m["capacity_factor"] is None else f"capacity factor {m['capacity_factor']}")
+             + (f" shared experts={m['shared_experts']}" if m["shared_experts"] else "")
+             + (f" imbalance={m['imbalance']:.3g}" if m["imbalance"] != 1 else ""),
+             f"layout: {rep['layout']['describe']}",
+             f"hardware: {hw['name']}: {hw['description']}; intra {fmt_rate(hw['intra']['bandwidth'])} "
+             f"({hw['intra']['name']}), inter {fmt_rate(hw['inter']['bandwidth'])} ({hw['inter']['name']}), "
+             f"{hw['flops'] / 1e12:.4g} TFLOP/s" + (" [calibrated]" if hw["calibrated"] else "")]
+    return lines + [f"WARNING: {w}" for w in rep["warnings"]]
+
+
+def render_text(rep: dict) -> str:
+    out = _header(rep)
+    for title, rows in _tables(rep):
+        out += ["", f"== {title} ==", format_table(rows) if rows else "(none)"]
+    if rep["ep_vs_tp"]["crossovers"]:
+        out += ["", f"crossovers (group of {rep['ep_vs_tp']['reference_group_size']}): "
+                + "; ".join(rep["ep_vs_tp"]["crossovers"])]
+    out += ["", "note: " + rep["notes"][0]]
+    return "\n".join(out)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    if not rows:
+        return "(none)"
+    cols = list(rows[0])
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(str(r.get(c, "")) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(rep: dict) -> str:
+    out = ["# moepar communication cost report", ""] + [f"- {line}" for line in _header(rep)]
+    for title, rows in _tables(rep):
+        out += ["", f"## {title}", "", markdown_table(rows)]
+    if rep["ep_vs_tp"]["crossovers"]:
+        out += ["", "Crossovers: " + "; ".join(rep["ep_vs_tp"]["crossovers"]) + "."]
+    out += ["", "> " + rep["notes"][0], ""]
+    return "\n".join(out)
+
+
+def to_json(rep: dict) -> str:
+    return json.dumps(rep, indent=1, default=str)
+
+
+def plot_png(rep: dict, path: str) -> None:
+    """Bytes and time per collective, and EP vs TP across group sizes (needs matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ValueError("--png needs matplotlib: pip install 'moepar[plot]'") from None
+    calls = rep["layer_collectives"]
+    fig, (ax1, ax3) = plt.subplots(1, 2, figsize=(14, 5))
+    labels = [f"{c['phase']} {c['name']}" for c in calls]
+    x = range(len(calls))
+    ax1.bar([i - 0.2 for i in x], [c["bytes"] * c["count"] / 2 ** 20 for c in calls], 0.4, label="MiB per rank")
+    ax1.set_ylabel("MiB per rank (size convention)")
+    ax2 = ax1.twinx()
+    ax2.bar([i + 0.2 for i in x], [c["seconds"] * c["count"] * 1e3 for c in calls], 0.4, color="tab:orange",
+            label="predicted ms")
+    ax2.set_ylabel("predicted ms")
+    ax1.set_xticks(list(x), labels, rotation=60, ha="right", fontsize=7)
+    handles = ax1.get_legend_handles_labels()[0] + ax2.get_legend_handles_labels()[0]
+    ax1.legend(handles, [h.get_label() for h in handles], loc="upper right", fontsize=8)
+    ax1.set_title("collectives per layer and micro-batch")
+    rows = rep["ep_vs_tp"]["rows"]
+    ns = [r["group_size"] for r in rows]
+    ax3.plot(ns, [r["ep_seconds"] * 1e3 for r in rows], "o-", label="EP: 4 all-to-alls of T·K·D·b")
+    ax3.plot(ns, [r["tp_seconds"] * 1e3 for r in rows], "s-", label="TP: 4 all-reduces of T·D·b")
+    ax3.set_xscale("log", base=2)
+    ax3.set_xlabel("group size")
+    ax3.set_ylabel("ms per layer per step")
+    ax3.set_title(f"EP vs TP (T={rep['ep_vs_tp']['tokens']}, D={rep['ep_vs_tp']['hidden']}, K={rep['ep_vs_tp']['topk']})")
+    ax3.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---- measured vs predicted ---------------------------------------------------------------
+
+def _placement_for(layout: CostLayout, n: int) -> Placement:
+    for kind in ("ep", "tp", "etp", "dp", "edp"):
+        if layout.size(kind) == n:
+            return layout.placement(kind)
+    return Placement.contiguous(n, layout.gpus_per_node)
+
+
+def measured_vs_predicted(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: Iterable,
+                          steps: int = 1) -> str:
+    """A table of the recorded ``CommEvent``s (op, group_size, nbytes, seconds, backward)
+    aggregated by (op, group size, phase), each beside the time the model predicts for the
+    same calls and bytes, and the calls/bytes the model expects for ``steps`` steps of
+    ``spec`` on ``layout`` (attention collectives included, so a model with no TP attention
+    issues fewer than expected)."""
+    agg: dict[tuple, dict] = {}
+    for e in events:
+        key = (e.op, e.group_size, "bwd" if e.backward else "fwd")
+        row = agg.setdefault(key, {"calls": 0, "bytes": 0.0, "measured": 0.0, "predicted": 0.0,
+                                   "model_calls": 0, "model_bytes": 0.0})
+        row["calls"] += 1
+        row["bytes"] += e.nbytes
+        row["measured"] += e.seconds
+        row["predicted"] += hardware.collective_time(e.op, _placement_for(layout, e.group_size), e.nbytes)
+    cost = step_cost(spec, layout, hardware)
+    reps = spec.layers * spec.micro_batches * steps
+    for c in cost.layer + cost.step:
+        k = c.count * (reps if c.per == "layer" else steps)
+        phase = c.phase if c.phase != "step" else "bwd"
+        row = agg.setdefault((c.op, c.group_size, phase), {"calls": 0, "bytes": 0.0, "measured": 0.0,
+                                                          "predicted": 0.0, "model_calls": 0, "model_bytes": 0.0})
+        row["model_calls"] += k
+        row["model_bytes"] += k * c.nbytes
+    rows = []
+    for (op, n, phase), r in sorted(agg.items()):
+        rows.append({"op": op, "n": n, "phase": phase, "calls": r["calls"], "model calls": r["model_calls"],
+                     "bytes": fmt_bytes(r["bytes"]), "model bytes": fmt_bytes(r["model_bytes"]),
+                     "measured": fmt_time(r["measured"]) if r["calls"] else "-",
+                     "predicted": fmt_time(r["predicted"]) if r["calls"] else "-",
+                     "pred/meas": f"{r['predicted'] / r['measured']:.3g}" if r["measured"] > 0 else "-"})
+    meas = sum(r["measured"] for r in agg.values())
+    pred = sum(r["predicted"] for r in agg.values())
+    head = (f"communication, measured vs predicted ({hardware.name}; predicted at the recorded bytes; "
+            f"model calls for {steps} step(s) of {layout.describe()}):")
+    tail = f"total: measured {fmt_time(meas)}, predicted {fmt_time(pred)}"
+    return "\n".join([head, format_table(rows) if rows else "(no collectives recorded)", tail])
+
+
+def report_for(spec: MoESpec, layout: CostLayout, hardware: Hardware, **kw) -> str:
+    """Convenience: the terminal report of ``spec`` on ``layout``."""
+    return render_text(build_report(step_cost(spec, layout, hardware, **kw)))

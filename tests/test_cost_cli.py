@@ -1,0 +1,106 @@
+"""``python -m moepar report | recommend | calibrate | validate``: smoke runs, outputs, and
+the messages for bad input."""
+import json
+
+import pytest
+
+from moepar.__main__ import main
+from moepar.cost import cli
+from moepar.cost.accounting import step_cost
+from moepar.cost.hardware import get_hardware
+from moepar.cost.model import CostLayout, MoESpec
+from moepar.cost.report import build_report, render_markdown
+
+ISSUE_EXAMPLE = ["--hidden", "4096", "--ffn", "14336", "--experts", "8", "--topk", "2", "--tokens", "8192",
+                 "--gpus", "64", "--gpus-per-node", "8", "--tp", "2", "--ep", "8", "--hardware", "h100"]
+
+
+def test_report_of_the_issue_example_prints_every_section(capsys, tmp_path):
+    md, js, png = tmp_path / "r.md", tmp_path / "r.json", tmp_path / "r.png"
+    assert main(["report", *ISSUE_EXAMPLE, "--markdown", str(md), "--json", str(js), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    for text in ("Collectives per layer and micro-batch", "MoE dispatch", "attention output",
+                 "EP vs TP for this FFN", "params per rank", "DeepSpeed", "tp=2 dp=32 | ep=8 etp=1 edp=8"):
+        assert text in out
+    data = json.loads(js.read_text())
+    assert data["layout"]["dp"] == 32 and len(data["ep_vs_tp"]["rows"]) == 6       # n = 2 .. 64
+    dispatch = [c for c in data["layer_collectives"] if c["name"] == "MoE dispatch"][0]
+    assert dispatch["bytes"] == 8192 // 2 * 2 * 4096 * 2 and dispatch["group_size"] == 8
+    assert md.read_text().startswith("# moepar communication cost report")
+    assert "| phase | collective |" in md.read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_mixtral_on_8_h100_prints_per_rank_params_and_flops(capsys):
+    assert cli.report_main(["--model", "mixtral-8x7b", "--tokens", "4096", "--gpus", "8", "--ep", "8"]) == 0
+    out = capsys.readouterr().out
+    # hand numbers of test_cost_model: 1.606 G dense + 5.637 G expert = 7.243 G per rank;
+    # 46.7 G total, 12.88 G active; 76.49 GFLOP per token; 313.3 TFLOP per rank per micro-batch
+    assert "1.606 G / 5.637 G / 7.243 G" in out
+    assert "46.7 G / 12.88 G" in out
+    assert "76.49 G" in out and "313.3 T / 313.3 T" in out
+
+
+def test_bad_input_messages(capsys):
+    assert cli.report_main([*ISSUE_EXAMPLE[:-1], "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown hardware 'tpu'" in err and "h100" in err and "a100" in err and "h100-pcie" in err
+    assert cli.report_main(["--model", "mixtral-8x7b", "--gpus", "24", "--ep", "3"]) == 2
+    assert "experts=8 is not divisible by ep=3 (valid ep: 1, 2, 4, 8)" in capsys.readouterr().err
+    assert cli.report_main(["--model", "mixtral-8x7b", "--gpus", "8", "--tp", "3"]) == 2
+    assert "valid tp: 1, 2, 4, 8" in capsys.readouterr().err
+    assert cli.report_main(["--hidden", "64", "--gpus", "8"]) == 2
+    assert "missing --ffn, --experts, --topk" in capsys.readouterr().err
+
+
+def test_tp_across_nodes_warns_but_reports(capsys):
+    args = ["--hidden", "4096", "--ffn", "8192", "--experts", "8", "--topk", "2", "--tokens", "1024",
+            "--gpus", "32", "--tp", "16", "--ep", "8"]
+    assert cli.report_main(args) == 0
+    cap = capsys.readouterr()
+    assert "warning: tp=16 > gpus_per_node=8" in cap.err
+    assert "WARNING: tp=16 > gpus_per_node=8" in cap.out and "2 nodes" in cap.out
+
+
+def test_routing_counts_set_the_imbalance(capsys, tmp_path):
+    counts = tmp_path / "counts.txt"
+    counts.write_text("10\n30\n20\n20\n")
+    args = ["--hidden", "64", "--ffn", "128", "--experts", "4", "--topk", "1", "--tokens", "64",
+            "--gpus", "4", "--ep", "4", "--routing-counts", str(counts)]
+    assert cli.report_main(args) == 0
+    out = capsys.readouterr().out
+    assert "imbalance=1.5" in out and "64 / 96" in out          # mean 64 routes, most loaded 96
+
+
+def test_recommend_ranks_fitting_layouts(capsys):
+    args = ["--model", "mixtral-8x7b", "--tokens", "4096", "--gpus", "16", "--hardware", "h100", "--top", "5"]
+    assert cli.recommend_main(args) == 0
+    out = capsys.readouterr().out
+    assert "ranked by predicted step time" in out
+    lines = [ln for ln in out.splitlines()[3:] if ln.strip()[:1].isdigit()]
+    assert len(lines) == 5
+    steps = []
+    for ln in lines:
+        value, unit = ln.split()[-2:]
+        steps.append(float(value) * {"us": 1e-6, "ms": 1e-3, "s": 1.0}[unit])
+    assert steps == sorted(steps)
+    assert cli.recommend_main(["--model", "mixtral-8x7b", "--gpus", "2", "--memory-gib", "1"]) == 0
+    assert "NONE FITS" in capsys.readouterr().out
+
+
+def test_calibrate_and_validate_explain_how_to_launch(capsys, monkeypatch, tmp_path):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli.calibrate_main(["--out", str(tmp_path / "p.json")]) == 2
+    assert "torchrun --nproc_per_node=4 -m moepar calibrate" in capsys.readouterr().err
+    assert cli.validate_main(["--profile", str(tmp_path / "missing.json")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="not a byte count"):
+        cli.parse_size("lots")
+    assert cli.parse_size("64K") == 65536 and cli.parse_size("64MiB") == 64 * 2 ** 20
+
+
+def test_markdown_of_a_tiny_model_one_gpu():
+    spec = MoESpec(hidden=8, ffn=8, experts=2, topk=1, tokens=1)
+    rep = build_report(step_cost(spec, CostLayout(1, 8), get_hardware("a100")))
+    assert rep["layer_collectives"] == [] and rep["time"]["comm_per_step"] == 0
+    assert "## Summary" in render_markdown(rep)

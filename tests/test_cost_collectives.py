@@ -1,0 +1,187 @@
+"""Collective formulas against hand-worked numbers; curves, fits, hardware profiles."""
+import json
+import math
+
+import pytest
+
+from moepar.cost.collectives import (Curve, Link, Placement, bus_factor, busbw, fit_alpha_beta,
+                                     isotonic, link_time, sent_bytes)
+from moepar.cost.compare import crossover_topk, ep_vs_tp, sweep
+from moepar.cost.hardware import PRESETS, Hardware, get_hardware, load_profile, save_profile
+
+MiB = 2 ** 20
+GB = 1e9
+FAST = Link("test intra", 100 * GB, 0.0)      # 100 GB/s busbw, no latency
+SLOW = Link("test inter", 25 * GB, 0.0)
+
+
+def hw_of(intra=FAST, inter=SLOW, gpn=8, base=0.0):
+    return Hardware("test", "test", intra, inter, gpn, 1e15, 80e9, base)
+
+
+def test_bus_factors_follow_nccl_tests():
+    assert bus_factor("all_reduce", 8) == pytest.approx(2 * 7 / 8)          # 1.75
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert bus_factor(op, 8) == pytest.approx(7 / 8)
+    assert bus_factor("all_reduce", 1) == 0.0
+    with pytest.raises(ValueError, match="valid: all_reduce"):
+        bus_factor("broadcast", 4)
+
+
+def test_ring_all_reduce_64MiB_over_8_ranks_at_100GBps():
+    # Hand: each rank sends 2(n-1)/n x 64 MiB = 1.75 x 67,108,864 = 117,440,512 bytes;
+    # at 100 GB/s that is 1.17440512 ms. algbw = 64 MiB / t = 57.14 GB/s, busbw = 100 GB/s.
+    pl = Placement(8, 8)
+    t = link_time("all_reduce", pl, 64 * MiB, FAST, SLOW)
+    assert t == pytest.approx(1.17440512e-3, rel=1e-12)
+    assert busbw("all_reduce", 8, 64 * MiB, t) == pytest.approx(100 * GB)
+    assert 64 * MiB / t == pytest.approx(57.142857 * GB, rel=1e-6)
+    assert sent_bytes("all_reduce", pl, 64 * MiB) == 117_440_512
+
+
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter", "all_to_all"])
+def test_one_way_collectives_send_n_minus_1_over_n(op):
+    # 7/8 x 64 MiB = 58,720,256 bytes at 100 GB/s = 0.58720256 ms
+    t = link_time(op, Placement(8, 8), 64 * MiB, FAST, SLOW)
+    assert t == pytest.approx(0.58720256e-3, rel=1e-12)
+
+
+def test_latency_terms_count_algorithm_steps():
+    lat = Link("lat", 100 * GB, 5e-6)
+    pl = Placement(8, 8)
+    # ring all-reduce: 2(n-1) = 14 steps; all-gather: n-1 = 7 steps; base latency once
+    assert link_time("all_reduce", pl, 0, lat, lat, base_latency=1e-6) == pytest.approx(14 * 5e-6 + 1e-6)
+    assert link_time("all_gather", pl, 0, lat, lat) == pytest.approx(7 * 5e-6)
+    assert link_time("all_reduce", Placement(1, 1), 64 * MiB, lat, lat) == 0.0
+
+
+def test_ring_across_nodes_runs_at_the_slowest_link():
+    # 2 nodes x 8: 2 x 15/16 x 64 MiB at 25 GB/s = 5.0331648 ms
+    t = link_time("all_reduce", Placement(16, 8), 64 * MiB, FAST, SLOW)
+    assert t == pytest.approx(2 * 15 / 16 * 64 * MiB / (25 * GB))
+
+
+def test_pairwise_all_to_all_uses_both_links_at_once():
+    # 2 nodes x 4 ranks: 3/8 of S over 100 GB/s, 4/8 of S over 25 GB/s: the inter part wins
+    S = 64 * MiB
+    t = link_time("all_to_all", Placement(8, 4), S, FAST, SLOW)
+    assert t == pytest.approx(max(3 / 8 * S / (100 * GB), 4 / 8 * S / (25 * GB)))
+
+
+def test_hierarchical_all_to_all_two_levels():
+    S = 64 * MiB
+    # intra (m-1)/m S at 100 GB/s, then inter (g-1)/g S at 25 GB/s
+    t = link_time("all_to_all", Placement(32, 8), S, FAST, SLOW, "hierarchical")
+    assert t == pytest.approx(7 / 8 * S / (100 * GB) + 3 / 4 * S / (25 * GB))
+    # on one node it is the flat all-to-all
+    one = Placement(8, 8)
+    assert link_time("all_to_all", one, S, FAST, SLOW, "hierarchical") == \
+        pytest.approx(link_time("all_to_all", one, S, FAST, SLOW))
+
+
+def test_hierarchical_all_to_all_wins_on_small_messages_across_many_nodes():
+    lat_i, lat_x = Link("i", 450 * GB, 3.4e-6), Link("x", 50 * GB, 14e-6)
+    pl = Placement(64, 8)
+    flat = link_time("all_to_all", pl, 64 * 1024, lat_i, lat_x)
+    two = link_time("all_to_all", pl, 64 * 1024, lat_i, lat_x, "hierarchical")
+    # flat: 56 inter-node messages; 2DH: 7 intra + 7 inter
+    assert two < flat / 3
+
+
+def test_tree_all_reduce_latency_is_logarithmic_across_nodes():
+    lat = Link("x", 100 * GB, 10e-6)
+    ring = link_time("all_reduce", Placement(64, 1), 0, lat, lat)
+    tree = link_time("all_reduce", Placement(64, 1), 0, lat, lat, "tree")
+    assert ring == pytest.approx(2 * 63 * 10e-6)
+    assert tree == pytest.approx(2 * 6 * 10e-6)            # ceil(log2 64) = 6
+    with pytest.raises(ValueError, match="valid: ring, tree"):
+        link_time("all_reduce", Placement(4, 4), 1, lat, lat, "pairwise")
+
+
+@pytest.mark.parametrize("k, ratio", [(1, 0.5), (2, 1.0), (8, 4.0)])
+def test_ep_moves_k_over_2_of_tp_bytes_at_equal_degree(k, ratio):
+    c = ep_vs_tp(hw_of(), hidden=4096, tokens=8192, topk=k, group_size=8)
+    assert c.ep_sent / c.tp_sent == pytest.approx(ratio)
+    assert c.ep_bytes == 8192 * k * 4096 * 2 and c.tp_bytes == 8192 * 4096 * 2
+    # with no latency on one link, time follows bytes
+    assert c.ep_time / c.tp_time == pytest.approx(ratio)
+
+
+def test_crossover_topk_is_2_on_a_pure_bandwidth_link_and_shifts_with_latency():
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8) == pytest.approx(2.0, rel=1e-6)
+    # all-to-all has half the ring all-reduce's steps: with latency EP wins up to a larger K
+    lat = Link("lat", 100 * GB, 20e-6)
+    assert crossover_topk(hw_of(lat, lat), hidden=256, tokens=64, group_size=8) > 2.0
+
+
+def test_sweep_locates_the_token_crossover():
+    lat = Link("lat", 100 * GB, 20e-6)
+    rows, notes = sweep(hw_of(lat, lat), "tokens", [2 ** i for i in range(4, 20)], hidden=1024,
+                        tokens=1, topk=4, group_size=8)
+    # K=4 moves twice TP's bytes but with half the latency: EP wins small T, TP large T.
+    assert rows[0].winner == "EP" and rows[-1].winner == "TP"
+    assert len(notes) == 1 and "tokens crossover" in notes[0]
+    t_star = float(notes[0].split("at ")[1].split(":")[0])
+    # hand, a = 20 us, b = 2 bytes, D = 1024: EP 7a + 7/8·4·T·D·b/B = TP 14a + 14/8·T·D·b/B
+    #   => 1.75·T·D·b/B = 7a  =>  T* = 4a·B/(D·b) = 4 x 20e-6 x 100e9 / 2048 = 3906.25 tokens
+    assert t_star == pytest.approx(3906.25, rel=1e-3)
+
+
+def test_isotonic_and_curve_interpolation():
+    assert isotonic([1, 3, 2, 4]) == [1, 2.5, 2.5, 4]
+    c = Curve("all_reduce", 4, (100, 200, 400), (1.0, 2.0, 4.0), 0.0, 0.01)
+    assert c.predict(200) == 2.0
+    assert c.predict(300) == pytest.approx(3.0)            # linear between neighbours
+    assert c.predict(800) == pytest.approx(8.0)            # last segment's slope
+    noisy = Curve("all_reduce", 4, (100, 200, 400), (2.0, 1.0, 4.0), 0.0, 0.01)
+    assert noisy.predict(150) == pytest.approx(1.5)        # the dip is pooled: 1.5, 1.5, 4
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Curve("all_reduce", 4, (200, 100), (1.0, 2.0), 0.0, 0.0)
+
+
+def test_fit_alpha_beta_recovers_a_line():
+    sizes = [2 ** i for i in range(16, 27)]
+    alpha, beta = fit_alpha_beta(sizes, [30e-6 + s / 50e9 for s in sizes])
+    assert alpha == pytest.approx(30e-6, rel=1e-6) and beta == pytest.approx(1 / 50e9, rel=1e-6)
+    c = Curve("all_to_all", 4, tuple(sizes), tuple(30e-6 + s / 50e9 for s in sizes), alpha, beta)
+    assert c.busbw == pytest.approx(0.75 * 50e9, rel=1e-6)
+
+
+def test_placement_of_layout_ranks():
+    assert Placement.of_ranks([0, 8, 16, 24], 8) == Placement(4, 1)
+    assert Placement.of_ranks(list(range(16)), 8).nodes == 2
+    with pytest.raises(ValueError, match="unequal"):
+        Placement.of_ranks([0, 1, 8], 8)
+
+
+def test_presets_and_unknown_hardware_message():
+    h100 = get_hardware("H100")
+    assert h100.intra.bandwidth == 450 * GB and h100.inter.bandwidth == 50 * GB
+    assert h100.flops == pytest.approx(989.5e12) and h100.gpus_per_node == 8
+    assert get_hardware("a100").intra.bandwidth == 300 * GB
+    assert get_hardware("h200").memory_bytes == 141 * GB
+    with pytest.raises(ValueError) as e:
+        get_hardware("tpu-v5")
+    for name in PRESETS:
+        assert name in str(e.value)
+    assert "calibrate" in str(e.value)
+
+
+def test_profile_round_trip_and_bad_files(tmp_path):
+    c = Curve("all_reduce", 2, (1024, 4096), (1e-3, 2e-3), 0.5e-3, 1e-7)
+    hw = hw_of().replace(curves={("all_reduce", 2): c}, meta={"backend": "gloo"})
+    path = tmp_path / "p.json"
+    save_profile(hw, str(path))
+    back = load_profile(str(path))
+    assert back.curves == hw.curves and back.intra == hw.intra and back.meta["backend"] == "gloo"
+    assert get_hardware(str(path)).name == "test"
+    # the calibrated curve prices that (op, n) on one node; others use the link model
+    assert back.collective_time("all_reduce", Placement(2, 2), 2560) == pytest.approx(1.5e-3)
+    assert back.collective_time("all_reduce", Placement(4, 4), 4096) == \
+        pytest.approx(link_time("all_reduce", Placement(4, 4), 4096, FAST, SLOW))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_profile(str(tmp_path / "missing.json"))
+    (tmp_path / "bad.json").write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="format"):
+        load_profile(str(tmp_path / "bad.json"))
+    assert math.isinf(Curve("all_reduce", 2, (1,), (1.0,), 1.0, 0.0).busbw)
