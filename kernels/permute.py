@@ -1,0 +1,522 @@
+"""Token permutation for the experts: ``permute`` gathers each kept route's token row into
+an expert-major buffer, ``unpermute`` sums each token's expert rows back, weighted.
+
+Legend: T tokens, D hidden, E experts, K routes per token (top-k), N rows of the permuted
+buffer (kept routes, or E*C when padded to a capacity C), R = T*K routes.
+
+Layout. Route (t, k) has the flat index r = t*K + k. Kept routes are stably sorted by
+expert, so rows are expert-major and, inside an expert, in token order (then k order).
+``row_map_TK[t, k]`` is the row of route (t, k), -1 where it was dropped; ``route_N[n]``
+(internal) is its inverse, the route of row n or -1 for a padding row. Index computation
+is a histogram, one stable sort of R narrow integer keys and a prefix sum: work and memory
+linear in R (up to the sort), never a [T, E, C] mask.
+
+Kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``): one program per block of rows,
+vectorised over D with an inner loop over D chunks, int64 offsets, fp32 arithmetic.
+
+* ``_gather_rows_kernel``: dst[n] = scale[route] * src[route // K] (zero where route < 0),
+  optionally dot[route] = <other[n], src[route // K]>. It is the permute forward
+  (no scale) and the unpermute backward (scale = the routing weight, dot = its gradient).
+* ``_combine_rows_kernel``: dst[t] = sum_k w[t, k] * src[row_map[t, k]] over kept
+  routes, fp32 accumulation. It is the unpermute forward and (w = 1) the permute backward.
+
+``permute``/``unpermute`` are ``torch.library.custom_op``s (namespace ``moepar``) with fake
+and autograd registrations for ``torch.compile`` (checked with ``torch.library.opcheck``). ``impl="auto"`` runs the
+kernels on CUDA and the torch reference elsewhere; ``impl="triton"`` forces the kernels
+(tests, under the interpreter), ``impl="reference"`` forces torch.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is Linux-only; the reference path works without it
+    triton = None
+    tl = None
+
+IMPLS = ("auto", "triton", "reference")
+
+if triton is not None:
+
+    @triton.jit
+    def _gather_rows_kernel(src_ptr, route_ptr, scale_ptr, other_ptr, dot_ptr, dst_ptr,
+                            num_rows, D, K, stride_src, stride_other, stride_dst,
+                            HAS_SCALE: tl.constexpr, HAS_DOT: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid = tl.program_id(0)
+        rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < num_rows
+        route = tl.load(route_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        valid = route >= 0
+        tok = tl.where(valid, route // K, 0)
+        if HAS_SCALE:
+            scale = tl.load(scale_ptr + route, mask=valid, other=0.0).to(tl.float32)
+        if HAS_DOT:
+            dot = tl.zeros([BLOCK_N], dtype=tl.float32)
+        cols = tl.arange(0, BLOCK_D)
+        src_row = src_ptr + tok * stride_src
+        dst_row = dst_ptr + rows * stride_dst
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + cols
+            c_ok = c < D
+            m_src = valid[:, None] & c_ok[None, :]
+            v = tl.load(src_row[:, None] + c[None, :], mask=m_src, other=0.0)
+            if HAS_DOT:
+                o = tl.load(other_ptr + rows[:, None] * stride_other + c[None, :], mask=m_src, other=0.0)
+                dot += tl.sum(v.to(tl.float32) * o.to(tl.float32), axis=1)
+            if HAS_SCALE:
+                v = v.to(tl.float32) * scale[:, None]
+            # Padding rows (route < 0) get the zeros the masked load produced.
+            tl.store(dst_row[:, None] + c[None, :], v.to(dst_ptr.dtype.element_ty),
+                     mask=row_ok[:, None] & c_ok[None, :])
+        if HAS_DOT:
+            tl.store(dot_ptr + route, dot, mask=valid)
+
+    @triton.jit
+    def _combine_rows_kernel(src_ptr, row_map_ptr, w_ptr, dst_ptr, T, D, K, stride_src, stride_dst,
+                             HAS_WEIGHTS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        pid = tl.program_id(0)
+        toks = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tok_ok = toks < T
+        cols = tl.arange(0, BLOCK_D)
+        for d0 in range(0, D, BLOCK_D):
+            c = d0 + cols
+            c_ok = c < D
+            acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
+            for k in range(0, K):
+                # row_map/w reloads per D chunk hit L1; the rows themselves are read once.
+                row = tl.load(row_map_ptr + toks * K + k, mask=tok_ok, other=-1).to(tl.int64)
+                valid = row >= 0
+                v = tl.load(src_ptr + row[:, None] * stride_src + c[None, :],
+                            mask=valid[:, None] & c_ok[None, :], other=0.0).to(tl.float32)
+                if HAS_WEIGHTS:
+                    w = tl.load(w_ptr + toks * K + k, mask=valid, other=0.0).to(tl.float32)
+                    v = v * w[:, None]
+                acc += v
+            tl.store(dst_ptr + toks[:, None] * stride_dst + c[None, :], acc.to(dst_ptr.dtype.element_ty),
+                     mask=tok_ok[:, None] & c_ok[None, :])
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def _blocks(num_rows: int, D: int) -> tuple[int, int, int]:
+    """(rows per program, D chunk, warps). ~4-8k elements a tile on a GPU; the
+    interpreter pays per program and per op, not per element, so it gets big tiles."""
+    block_d = min(_next_pow2(max(D, 1)), 4096 if _interpreting() else 1024)
+    tile = 65536 if _interpreting() else (8192 if block_d >= 1024 else 4096)
+    block_n = max(1, min(tile // block_d, _next_pow2(max(num_rows, 1))))
+    return block_n, block_d, 8 if block_d >= 1024 else 4
+
+
+def _use_triton(t: torch.Tensor, impl: str) -> bool:
+    if impl == "reference":
+        return False
+    if impl == "triton":
+        if triton is None:
+            raise ValueError("impl='triton' needs the triton package")
+        if t.device.type != "cuda" and not _interpreting():
+            raise ValueError(f"impl='triton' needs CUDA tensors (got {t.device}) or TRITON_INTERPRET=1 "
+                             f"set before import; use impl='auto' or 'reference'")
+        return True
+    return triton is not None and t.device.type == "cuda"
+
+
+# ---- index computation (torch, O(R), shared by both paths) -----------------------------
+
+def _route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor], num_experts: int,
+                 capacity: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counts_E int64, row_map_TK int64, route_N int64). One host sync (the counts),
+    which also carries the range check of the ids."""
+    T, K = expert_ids_TK.shape
+    R, E = T * K, num_experts
+    dev = expert_ids_TK.device
+    ids_R = expert_ids_TK.reshape(R).to(torch.int64)
+    bad_R = (ids_R < 0) | (ids_R >= E)
+    # Sort key: the expert, E for dropped routes (they sort last), E+1 for invalid ids.
+    key_R = ids_R if dropped_TK is None else ids_R.masked_fill(dropped_TK.reshape(R), E)
+    key_R = key_R.masked_fill(bad_R, E + 1)
+    hist = torch.bincount(key_R, minlength=E + 2).cpu()  # [E + 2]: kept per expert, dropped, bad
+    if int(hist[E + 1]):
+        bad = ids_R[bad_R]
+        raise ValueError(f"expert id {int(bad[0])} out of range: ids must lie in [0, num_experts={E}) "
+                         f"({int(hist[E + 1])} of {R} routes are out of range)")
+    counts_E = hist[:E]
+    n_kept = int(counts_E.sum())
+    # Routes, expert-major, token order inside. Narrow keys sort faster (radix passes).
+    narrow = torch.int16 if E + 2 <= torch.iinfo(torch.int16).max else torch.int32
+    order_R = torch.sort(key_R.to(narrow), stable=True).indices
+    if capacity is None:
+        route_N = order_R[:n_kept]
+        rows_kept = torch.arange(n_kept, device=dev)
+        num_rows = n_kept
+    else:
+        over = counts_E > capacity
+        if bool(over.any()):
+            e = int(torch.nonzero(over)[0])
+            raise ValueError(f"expert {e} has {int(counts_E[e])} kept routes but capacity={capacity}: "
+                             f"drop the routes beyond capacity first (the router does)")
+        # Route at sorted position i of expert e goes to slot i - start_e of block e.
+        start_E = (torch.cumsum(counts_E, 0) - counts_E).to(dev)
+        sorted_e = key_R.index_select(0, order_R[:n_kept])
+        rows_kept = torch.arange(n_kept, device=dev) - start_E.index_select(0, sorted_e) + sorted_e * capacity
+        num_rows = E * capacity
+        route_N = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
+        route_N.index_copy_(0, rows_kept, order_R[:n_kept])
+    row_map_R = torch.full((R,), -1, dtype=torch.int64, device=dev)
+    row_map_R.index_copy_(0, order_R[:n_kept], rows_kept)
+    return counts_E.to(dev), row_map_R.view(T, K), route_N
+
+
+def _inverse_row_map(row_map_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """route_N: the route of each row, -1 for rows no route maps to. No host sync, no
+    duplicate scatter indices (dropped routes land in private slots past num_rows)."""
+    R = row_map_TK.numel()
+    dev = row_map_TK.device
+    flat = row_map_TK.reshape(R)
+    slot = torch.where(flat >= 0, flat, num_rows + torch.arange(R, device=dev))
+    inv = torch.full((num_rows + R,), -1, dtype=torch.int64, device=dev)
+    inv.scatter_(0, slot, torch.arange(R, device=dev))
+    return inv[:num_rows]
+
+
+# ---- references (plain torch; the path off CUDA) ----------------------------------------
+
+def _gather_reference(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, dense: bool) -> torch.Tensor:
+    if dense:  # every row has a route (dropless): one gather
+        return x_TD.index_select(0, route_N // K)
+    out = x_TD.new_zeros(route_N.shape[0], x_TD.shape[1])
+    valid = route_N >= 0
+    rows = torch.nonzero(valid).flatten()
+    return out.index_copy_(0, rows, x_TD.index_select(0, route_N[rows] // K))
+
+
+def _combine_reference(src_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
+                       num_tokens: int) -> torch.Tensor:
+    """sum_k w[t, k] * src[row_map[t, k]] over kept routes, accumulated in fp32.
+
+    fp32: one ``embedding_bag`` (mode "sum", per-sample weights): a single pass with no
+    [T, K, D] temporary; a token's bag holds its kept routes only. Other dtypes: a K-step
+    loop of gathers into an fp32 accumulator (T x D temporaries)."""
+    T, K = row_map_TK.shape
+    D = src_ND.shape[1]
+    if T == 0 or src_ND.shape[0] == 0 or D == 0:
+        return src_ND.new_zeros(T, D)
+    kept_TK = row_map_TK >= 0
+    any_dropped = not bool(kept_TK.all())
+    if src_ND.dtype == torch.float32:
+        w = None if weights_TK is None else weights_TK.to(torch.float32)
+        if not any_dropped:
+            return F.embedding_bag(row_map_TK, src_ND, mode="sum", per_sample_weights=w)
+        per_tok = kept_TK.sum(1)
+        offsets = torch.cumsum(per_tok, 0) - per_tok
+        return F.embedding_bag(row_map_TK[kept_TK], src_ND, offsets, mode="sum",
+                               per_sample_weights=None if w is None else w[kept_TK])
+    acc = torch.zeros(T, D, dtype=torch.float32, device=src_ND.device)
+    w = None if weights_TK is None else weights_TK.to(torch.float32)
+    for k in range(K):
+        v = src_ND.index_select(0, row_map_TK[:, k].clamp(min=0))
+        if any_dropped:  # zero, not 0 * value: a dropped route must not leak inf/nan
+            v.masked_fill_(~kept_TK[:, k, None], 0)
+        if w is None:
+            acc.add_(v)
+        else:
+            acc.addcmul_(v, w[:, k, None])
+    return acc.to(src_ND.dtype)
+
+
+_BWD_CHUNK_ELEMS = 1 << 19   # elements per row chunk of the unpermute backward: 2 MB fp32, L2-sized
+
+
+def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], route_N: torch.Tensor,
+                                  weights_TK: Optional[torch.Tensor], K: int, dtype: torch.dtype
+                                  ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Row order, in cache-sized chunks of rows n: G = grad[t(n)] gathered straight into
+    grad_y, grad_w[route(n)] = <y[n], G> (fp32), then grad_y = w[route(n)] * G in place.
+    One write of grad_y and one read of y: no [N, D] temporaries."""
+    N = route_N.shape[0]
+    T, D = grad_TD.shape
+    valid = route_N >= 0
+    any_pad = N > 0 and not bool(valid.all())
+    route = route_N.clamp(min=0)
+    tok = route // K
+    src = grad_TD.to(dtype)
+    alloc = torch.empty if T else torch.zeros   # no tokens: padding rows only, all zero
+    grad_y = alloc(N, D, dtype=dtype, device=grad_TD.device)
+    dot_N = alloc(N, dtype=torch.float32, device=grad_TD.device) if y_ND is not None else None
+    w_N = weights_TK.reshape(-1).to(torch.float32).index_select(0, route) if weights_TK is not None else None
+    step = max(1, _BWD_CHUNK_ELEMS // max(D, 1))
+    for n0 in range(0, N if T else 0, step):
+        n1 = min(N, n0 + step)
+        G = torch.index_select(src, 0, tok[n0:n1], out=grad_y[n0:n1])
+        if any_pad:
+            G.masked_fill_(~valid[n0:n1, None], 0)
+        if dot_N is not None:
+            y_c = y_ND[n0:n1]     # fp32 dots; low precision is upcast a chunk at a time
+            torch.linalg.vecdot(y_c.float(), G.float(), out=dot_N[n0:n1])
+        if w_N is not None:
+            G.mul_(w_N[n0:n1, None])
+    grad_w = None
+    if dot_N is not None:
+        grad_w = torch.zeros(T * K, dtype=torch.float32, device=grad_TD.device)
+        grad_w.index_add_(0, route, dot_N.masked_fill_(~valid, 0) if any_pad else dot_N)
+        grad_w = grad_w.view(T, K)
+    return grad_y, grad_w
+
+
+def permute_reference(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
+                      num_experts: int, *, capacity: Optional[int] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``permute`` in plain torch (same contract, differentiable through torch autograd)."""
+    _check_permute(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
+    K = expert_ids_TK.shape[1]
+    counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity)
+    tok_N = (route_N.clamp(min=0) // K)
+    x_ND = x_TD.index_select(0, tok_N)
+    if capacity is not None:
+        x_ND = torch.where((route_N >= 0)[:, None], x_ND, 0)
+    return x_ND, counts_E, row_map_TK
+
+
+def unpermute_reference(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
+                        num_tokens: int) -> torch.Tensor:
+    """``unpermute`` in plain torch (differentiable through torch autograd): a gather of
+    [T, K, D] rows and an fp32 weighted sum."""
+    _check_unpermute(y_ND, row_map_TK, weights_TK, num_tokens)
+    T, K = row_map_TK.shape
+    kept = (row_map_TK >= 0)
+    if y_ND.shape[0] == 0:  # nothing kept; stay in the graph so y_ND gets its (empty) grad
+        return y_ND.new_zeros(T, y_ND.shape[1]) + y_ND.sum()
+    rows = y_ND.float().index_select(0, row_map_TK.clamp(min=0).reshape(-1))
+    w = kept.float() if weights_TK is None else torch.where(kept, weights_TK.float(), 0.0)
+    rows = torch.where(kept.reshape(-1, 1), rows, 0.0)
+    return (rows.view(T, K, -1) * w[:, :, None]).sum(1).to(y_ND.dtype)
+
+
+# ---- launchers ----------------------------------------------------------------------------
+
+def _gather(src: torch.Tensor, route_N: torch.Tensor, K: int, out_dtype: torch.dtype,
+            scale_R: Optional[torch.Tensor] = None, other_ND: Optional[torch.Tensor] = None,
+            dot_R: Optional[torch.Tensor] = None) -> torch.Tensor:
+    N, D = route_N.shape[0], src.shape[1]
+    dst = torch.empty(N, D, dtype=out_dtype, device=src.device)
+    if N == 0 or D == 0:
+        return dst
+    src = src if src.stride(1) == 1 else src.contiguous()
+    if other_ND is not None and other_ND.stride(1) != 1:
+        other_ND = other_ND.contiguous()
+    block_n, block_d, warps = _blocks(N, D)
+    _gather_rows_kernel[(triton.cdiv(N, block_n),)](
+        src, route_N, scale_R if scale_R is not None else src, other_ND if other_ND is not None else src,
+        dot_R if dot_R is not None else dst, dst, N, D, K, src.stride(0),
+        other_ND.stride(0) if other_ND is not None else 0, dst.stride(0),
+        HAS_SCALE=scale_R is not None, HAS_DOT=dot_R is not None, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=warps)
+    return dst
+
+
+def _combine(src_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor]) -> torch.Tensor:
+    T, K = row_map_TK.shape
+    D = src_ND.shape[1]
+    dst = torch.empty(T, D, dtype=src_ND.dtype, device=src_ND.device)
+    if T == 0 or D == 0:
+        return dst
+    if src_ND.shape[0] == 0:
+        return dst.zero_()
+    src_ND = src_ND if src_ND.stride(1) == 1 else src_ND.contiguous()
+    row_map_TK = row_map_TK.contiguous()
+    w = weights_TK.contiguous() if weights_TK is not None else row_map_TK
+    block_t, block_d, warps = _blocks(T, D)
+    _combine_rows_kernel[(triton.cdiv(T, block_t),)](
+        src_ND, row_map_TK, w, dst, T, D, K, src_ND.stride(0), dst.stride(0),
+        HAS_WEIGHTS=weights_TK is not None, BLOCK_T=block_t, BLOCK_D=block_d, num_warps=warps)
+    return dst
+
+
+# ---- custom ops -----------------------------------------------------------------------------
+
+@torch.library.custom_op("moepar::permute", mutates_args=())
+def _permute_op(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
+                num_experts: int, capacity: Optional[int], impl: str
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    K = expert_ids_TK.shape[1]
+    counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity)
+    if _use_triton(x_TD, impl):
+        x_ND = _gather(x_TD, route_N, K, x_TD.dtype)
+    else:
+        x_ND = _gather_reference(x_TD, route_N, K, dense=capacity is None)
+    return x_ND, counts_E, row_map_TK
+
+
+@_permute_op.register_fake
+def _(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, impl):
+    T, K = expert_ids_TK.shape
+    n = torch.library.get_ctx().new_dynamic_size() if capacity is None else num_experts * capacity
+    return (x_TD.new_empty(n, x_TD.shape[1]), x_TD.new_empty(num_experts, dtype=torch.int64),
+            x_TD.new_empty(T, K, dtype=torch.int64))
+
+
+def _permute_setup(ctx, inputs, output):
+    ctx.num_tokens, ctx.impl = inputs[0].shape[0], inputs[5]
+    ctx.save_for_backward(output[2])
+
+
+def _permute_backward(ctx, grad_x_ND, grad_counts, grad_row_map):
+    (row_map_TK,) = ctx.saved_tensors
+    grad_x = None
+    if grad_x_ND is not None:
+        grad_x = _unpermute_op(grad_x_ND, row_map_TK, None, ctx.num_tokens, ctx.impl)
+    return grad_x, None, None, None, None, None
+
+
+_permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+
+
+@torch.library.custom_op("moepar::unpermute", mutates_args=())
+def _unpermute_op(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
+                  num_tokens: int, impl: str) -> torch.Tensor:
+    if _use_triton(y_ND, impl):
+        return _combine(y_ND, row_map_TK, weights_TK)
+    return _combine_reference(y_ND, row_map_TK, weights_TK, num_tokens)
+
+
+@_unpermute_op.register_fake
+def _(y_ND, row_map_TK, weights_TK, num_tokens, impl):
+    return y_ND.new_empty(num_tokens, y_ND.shape[1])
+
+
+def _unpermute_setup(ctx, inputs, output):
+    y_ND, row_map_TK, weights_TK, num_tokens, impl = inputs
+    ctx.impl, ctx.num_rows, ctx.dtype = impl, y_ND.shape[0], y_ND.dtype
+    ctx.has_weights = weights_TK is not None
+    need_w = weights_TK is not None and weights_TK.requires_grad
+    ctx.save_for_backward(row_map_TK, weights_TK, y_ND if need_w else None)
+
+
+def _unpermute_backward(ctx, grad_TD):
+    row_map_TK, weights_TK, y_ND = ctx.saved_tensors
+    grad_y, grad_w = _unpermute_bwd_op(grad_TD.contiguous(), y_ND, row_map_TK, weights_TK,
+                                       ctx.num_rows, ctx.dtype, ctx.impl)
+    grad_w = grad_w.to(weights_TK.dtype) if (y_ND is not None and ctx.has_weights) else None
+    return grad_y, None, grad_w, None, None
+
+
+_unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+
+
+@torch.library.custom_op("moepar::unpermute_backward", mutates_args=())
+def _unpermute_bwd_op(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], row_map_TK: torch.Tensor,
+                      weights_TK: Optional[torch.Tensor], num_rows: int, dtype: torch.dtype, impl: str
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_y_ND, grad_weights_TK fp32; empty when y_ND is None)."""
+    T, K = row_map_TK.shape
+    route_N = _inverse_row_map(row_map_TK, num_rows)
+    if _use_triton(grad_TD, impl):
+        grad_w = torch.zeros(T * K, dtype=torch.float32, device=grad_TD.device) if y_ND is not None else None
+        scale = weights_TK.reshape(-1).contiguous() if weights_TK is not None else None
+        grad_y = _gather(grad_TD, route_N, K, dtype, scale, y_ND, grad_w)
+        grad_w = grad_w.view(T, K) if grad_w is not None else None
+    else:
+        grad_y, grad_w = _unpermute_backward_reference(grad_TD, y_ND, route_N, weights_TK, K, dtype)
+    if grad_w is None:
+        grad_w = grad_TD.new_empty(0, dtype=torch.float32)
+    return grad_y, grad_w
+
+
+@_unpermute_bwd_op.register_fake
+def _(grad_TD, y_ND, row_map_TK, weights_TK, num_rows, dtype, impl):
+    T, K = row_map_TK.shape
+    gw = grad_TD.new_empty(T, K, dtype=torch.float32) if y_ND is not None else grad_TD.new_empty(0, dtype=torch.float32)
+    return grad_TD.new_empty(num_rows, grad_TD.shape[1], dtype=dtype), gw
+
+
+# ---- public API -------------------------------------------------------------------------------
+
+def _check_permute(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity) -> None:
+    if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2:
+        raise ValueError(f"x_TD must be a 2-D [T, D] tensor, got shape {tuple(getattr(x_TD, 'shape', ()))}")
+    if expert_ids_TK.dim() != 2 or expert_ids_TK.shape[0] != x_TD.shape[0]:
+        raise ValueError(f"expert_ids_TK must be [T={x_TD.shape[0]}, K], got shape {tuple(expert_ids_TK.shape)}")
+    if expert_ids_TK.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"expert_ids_TK must be int64 or int32, got {expert_ids_TK.dtype}")
+    if expert_ids_TK.shape[1] < 1:
+        raise ValueError("expert_ids_TK must have K >= 1 routes per token")
+    if expert_ids_TK.device != x_TD.device:
+        raise ValueError(f"expert_ids_TK is on {expert_ids_TK.device} but x_TD is on {x_TD.device}")
+    if dropped_TK is not None:
+        if dropped_TK.dtype != torch.bool:
+            raise ValueError(f"dropped_TK must be a bool tensor, got {dropped_TK.dtype}")
+        if dropped_TK.shape != expert_ids_TK.shape:
+            raise ValueError(f"dropped_TK has shape {tuple(dropped_TK.shape)} but expert_ids_TK has "
+                             f"{tuple(expert_ids_TK.shape)}; they must match")
+        if dropped_TK.device != x_TD.device:
+            raise ValueError(f"dropped_TK is on {dropped_TK.device} but x_TD is on {x_TD.device}")
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        raise ValueError(f"capacity={capacity!r} must be None or an integer >= 0")
+
+
+def _check_unpermute(y_ND, row_map_TK, weights_TK, num_tokens) -> None:
+    if not isinstance(y_ND, torch.Tensor) or y_ND.dim() != 2:
+        raise ValueError(f"y_ND must be a 2-D [N, D] tensor, got shape {tuple(getattr(y_ND, 'shape', ()))}")
+    if row_map_TK.dim() != 2 or row_map_TK.dtype != torch.int64:
+        raise ValueError(f"row_map_TK must be a 2-D int64 [T, K] tensor (from permute), got "
+                         f"{row_map_TK.dtype} of shape {tuple(row_map_TK.shape)}")
+    if row_map_TK.shape[0] != num_tokens:
+        raise ValueError(f"num_tokens={num_tokens} but row_map_TK has {row_map_TK.shape[0]} rows; they must match")
+    if row_map_TK.device != y_ND.device:
+        raise ValueError(f"row_map_TK is on {row_map_TK.device} but y_ND is on {y_ND.device}")
+    if weights_TK is not None:
+        if weights_TK.shape != row_map_TK.shape:
+            raise ValueError(f"weights_TK has shape {tuple(weights_TK.shape)} but row_map_TK has "
+                             f"{tuple(row_map_TK.shape)}; they must match")
+        if not weights_TK.is_floating_point():
+            raise ValueError(f"weights_TK must be floating point (fp32), got {weights_TK.dtype}")
+        if weights_TK.device != y_ND.device:
+            raise ValueError(f"weights_TK is on {weights_TK.device} but y_ND is on {y_ND.device}")
+
+
+def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
+            num_experts: int, *, capacity: Optional[int] = None, impl: str = "auto"
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather each kept route's token row, expert-major: ``(x_ND, tokens_per_expert_E, row_map_TK)``.
+
+    Dropless (``capacity=None``): N = kept routes; expert e's rows follow expert e-1's, in
+    token order (then k order). ``capacity=C``: x_ND has E*C rows, expert e's at
+    ``[e*C, e*C + count_e)``, zero rows after; a kept route beyond C is an error.
+    ``tokens_per_expert_E`` (int64, on x's device) counts kept routes in both modes.
+    ``row_map_TK[t, k]`` is the row of route (t, k), -1 where dropped. ``dropped_TK`` may
+    be None. Differentiable w.r.t. ``x_TD``. ``impl``: "auto" (Triton on CUDA, torch
+    elsewhere), "triton" or "reference". Raises ``ValueError`` on ids outside
+    ``[0, num_experts)``, non-integer ids or mismatched shapes.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    _check_permute(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
+    return _permute_op(x_TD, expert_ids_TK, dropped_TK, int(num_experts), capacity, impl)
+
+
+def unpermute(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
+              num_tokens: int, *, impl: str = "auto") -> torch.Tensor:
+    """Weighted sum of each token's expert rows: ``y_TD[t] = sum_k w[t,k] * y_ND[row_map[t,k]]``.
+
+    fp32 accumulation, result in y_ND's dtype; routes with ``row_map -1`` contribute
+    nothing, rows no route maps to (capacity padding) are ignored. ``weights_TK=None``
+    means weight 1. Differentiable w.r.t. ``y_ND`` and ``weights_TK`` (grad in its dtype).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    _check_unpermute(y_ND, row_map_TK, weights_TK, num_tokens)
+    return _unpermute_op(y_ND, row_map_TK, weights_TK, int(num_tokens), impl)
