@@ -1,7 +1,17 @@
-"""moepar: an expert-parallel Mixture-of-Experts layer for PyTorch."""
+"""moepar: an expert-parallel Mixture-of-Experts layer for PyTorch.
+
+Public names: ``MoE``, ``aux_loss``, ``TopKRouter``, ``Routing``, ``GroupedExperts``,
+``init_parallel`` and the parallel building blocks. ``moepar.checkpoint`` and
+``moepar.cost`` are imported on demand.
+"""
+from .moe.experts import GroupedExperts
+from .moe.layer import MoE, MoEStats, aux_loss
+from .moe.router import Routing, TopKRouter
 from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
-                       get_parallel_state, init_parallel, vocab_parallel_cross_entropy)
+                       allreduce_gradients, clip_grad_norm_, get_parallel_state, init_parallel,
+                       vocab_parallel_cross_entropy)
 
 __version__ = "0.1.0"
-__all__ = ["ColumnParallelLinear", "ParallelState", "RowParallelLinear", "VocabParallelEmbedding",
-           "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy"]
+__all__ = ["MoE", "MoEStats", "aux_loss", "TopKRouter", "Routing", "GroupedExperts", "ColumnParallelLinear",
+           "ParallelState", "RowParallelLinear", "VocabParallelEmbedding", "allreduce_gradients",
+           "clip_grad_norm_", "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy"]

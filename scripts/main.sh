@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Quick start, command 1: set up (first run only) and run the main job on the CPU.
-# Placeholder while the GPT-MoE example is being built: shows what the package offers.
+# Quick start, command 1: set up (first run only), then train the example GPT-MoE on the
+# CPU with 4 gloo processes (tensor parallel 2 x expert parallel 2) on the Python standard
+# library's source, and print the summary, a sample and the communication cost report.
+# Extra arguments go to the training script, e.g. `bash scripts/main.sh --steps 50`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/setup.sh
-python -m moepar --help
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+exec torchrun --standalone --nproc_per_node=4 examples/train_gpt_moe.py --tp 2 --ep 2 "$@"

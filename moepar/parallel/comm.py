@@ -89,7 +89,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def _timed(op: str, group, nbytes: int, backward: bool, fn) -> None:
+def _timed(op: str, group, nbytes: int, backward: bool, fn, stats: CommStats | None = None) -> None:
     sync = torch.cuda.is_available() and os.environ.get("MOEPAR_TIME_COMM") == "1"
     if sync:
         torch.cuda.synchronize()
@@ -100,14 +100,20 @@ def _timed(op: str, group, nbytes: int, backward: bool, fn) -> None:
     event = CommEvent(op, group_size(group), nbytes, time.perf_counter() - t0, backward)
     for listener in _LISTENERS:
         listener.add(event)
+    if stats is not None:
+        stats.add(event)
 
 
 # ---- raw collectives (no autograd), each recorded -------------------------------------
+# ``stats`` (optional) receives the event too: layers pass their own CommStats so the
+# backward collectives, issued later by autograd, are still attributed to them.
 
-def all_reduce_(t: torch.Tensor, group, op=dist.ReduceOp.SUM, backward: bool = False) -> torch.Tensor:
+def all_reduce_(t: torch.Tensor, group, op=dist.ReduceOp.SUM, backward: bool = False,
+                stats: CommStats | None = None) -> torch.Tensor:
     """In-place all-reduce of ``t``; bytes = t bytes."""
     if group_size(group) > 1:
-        _timed("all_reduce", group, _nbytes(t), backward, lambda: dist.all_reduce(t, op=op, group=group))
+        _timed("all_reduce", group, _nbytes(t), backward,
+               lambda: dist.all_reduce(t, op=op, group=group), stats)
     return t
 
 
@@ -115,38 +121,37 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
-def _all_gather_equal(x: torch.Tensor, group, backward: bool) -> list[torch.Tensor]:
+def _all_gather_equal(x: torch.Tensor, group, backward: bool, stats: CommStats | None) -> list[torch.Tensor]:
     """Equal-shape all-gather; bytes = P * x bytes. Gloo gets the list form."""
     size = group_size(group)
     x = x.contiguous()
     if _is_gloo(group):
         parts = [torch.empty_like(x) for _ in range(size)]
-        fn = lambda: dist.all_gather(parts, x, group=group)  # noqa: E731
-        _timed("all_gather", group, size * _nbytes(x), backward, fn)
+        _timed("all_gather", group, size * _nbytes(x), backward,
+               lambda: dist.all_gather(parts, x, group=group), stats)
         return parts
     flat = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    fn = lambda: dist.all_gather_into_tensor(flat, x, group=group)  # noqa: E731
-    _timed("all_gather", group, _nbytes(flat), backward, fn)
+    _timed("all_gather", group, _nbytes(flat), backward,
+           lambda: dist.all_gather_into_tensor(flat, x, group=group), stats)
     return list(flat.chunk(size))
 
 
 def all_gather_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = None,
-                    backward: bool = False) -> torch.Tensor:
+                    backward: bool = False, stats: CommStats | None = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0; uneven ``sizes`` are padded to the max."""
     size = group_size(group)
     if size == 1:
         return x
     if sizes is None or len(set(sizes)) == 1:
-        return torch.cat(_all_gather_equal(x, group, backward), dim=0)
-    top = max(sizes)
-    padded = x.new_zeros((top,) + tuple(x.shape[1:]))
+        return torch.cat(_all_gather_equal(x, group, backward, stats), dim=0)
+    padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
-    parts = _all_gather_equal(padded, group, backward)
+    parts = _all_gather_equal(padded, group, backward, stats)
     return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = None,
-                        backward: bool = False) -> torch.Tensor:
+                        backward: bool = False, stats: CommStats | None = None) -> torch.Tensor:
     """Sum ``x`` [N, ...] over the group and keep this rank's row block (``sizes`` or N/P)."""
     size = group_size(group)
     if size == 1:
@@ -162,26 +167,23 @@ def reduce_scatter_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = No
     chunks = [c.contiguous() for c in chunks]
     out = torch.empty_like(chunks[0])
     _timed("reduce_scatter", group, size * _nbytes(out), backward,
-           lambda: dist.reduce_scatter(out, chunks, group=group))
+           lambda: dist.reduce_scatter(out, chunks, group=group), stats)
     return out[: sizes[group_rank(group)]]
 
 
 def all_to_all_rows(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None,
-                    input_split_sizes: Sequence[int] | None, backward: bool = False) -> torch.Tensor:
+                    input_split_sizes: Sequence[int] | None, backward: bool = False,
+                    stats: CommStats | None = None) -> torch.Tensor:
     """All-to-all-v along dim 0; bytes = this rank's send buffer."""
-    size = group_size(group)
-    if size == 1:
+    if group_size(group) == 1:
         return x
     x = x.contiguous()
-    if output_split_sizes is None:
-        rows = x.shape[0]
-    else:
-        rows = int(sum(output_split_sizes))
+    rows = x.shape[0] if output_split_sizes is None else int(sum(output_split_sizes))
     out = x.new_empty((rows,) + tuple(x.shape[1:]))
     in_s = None if input_split_sizes is None else [int(s) for s in input_split_sizes]
     out_s = None if output_split_sizes is None else [int(s) for s in output_split_sizes]
     _timed("all_to_all", group, _nbytes(x), backward,
-           lambda: dist.all_to_all_single(out, x, out_s, in_s, group=group))
+           lambda: dist.all_to_all_single(out, x, out_s, in_s, group=group), stats)
     return out
 
 
@@ -208,134 +210,133 @@ def _own_rows(x: torch.Tensor, group, sizes: Sequence[int] | None) -> torch.Tens
 
 class _CopyToRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, stats):
+        ctx.group, ctx.stats = group, stats
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g):
-        return all_reduce_(g.contiguous().clone(), ctx.group, backward=True), None
+        return all_reduce_(g.contiguous().clone(), ctx.group, backward=True, stats=ctx.stats), None, None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce_(x.contiguous().clone(), group)
+    def forward(ctx, x, group, stats):
+        return all_reduce_(x.contiguous().clone(), group, stats=stats)
 
     @staticmethod
     def backward(ctx, g):
-        return g, None
+        return g, None, None
 
 
-class _Split(torch.autograd.Function):
-    """Forward: keep own block along dim; backward: all-gather the blocks."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, sizes):
-        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return _move_back(_own_rows(_move_first(x, dim), group, sizes), dim).contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        full = all_gather_rows(_move_first(g, ctx.dim), ctx.group, ctx.sizes, backward=True)
-        return _move_back(full, ctx.dim), None, None, None
+# The four row-block functions share one signature: (x, group, dim, sizes, stats).
+def _gather(ctx, x, backward=False):
+    return _move_back(all_gather_rows(_move_first(x, ctx.dim), ctx.group, ctx.sizes, backward, ctx.stats), ctx.dim)
 
 
-class _Gather(torch.autograd.Function):
-    """Forward: all-gather along dim; backward: keep own block (replicated downstream)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, sizes):
-        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return _move_back(all_gather_rows(_move_first(x, dim), group, sizes), dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        own = _own_rows(_move_first(g, ctx.dim), ctx.group, ctx.sizes)
-        return _move_back(own, ctx.dim).contiguous(), None, None, None
+def _split(ctx, x):
+    return _move_back(_own_rows(_move_first(x, ctx.dim), ctx.group, ctx.sizes), ctx.dim).contiguous()
 
 
-class _GatherSequence(torch.autograd.Function):
-    """Forward: all-gather along dim; backward: reduce-scatter (sequence parallelism)."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim, sizes):
-        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return _move_back(all_gather_rows(_move_first(x, dim), group, sizes), dim)
-
-    @staticmethod
-    def backward(ctx, g):
-        own = reduce_scatter_rows(_move_first(g, ctx.dim), ctx.group, ctx.sizes, backward=True)
-        return _move_back(own, ctx.dim), None, None, None
+def _reduce_scatter(ctx, x, backward=False):
+    return _move_back(reduce_scatter_rows(_move_first(x, ctx.dim), ctx.group, ctx.sizes, backward, ctx.stats),
+                      ctx.dim)
 
 
-class _ReduceScatter(torch.autograd.Function):
-    """Forward: reduce-scatter along dim; backward: all-gather."""
+class _RowBlockOp(torch.autograd.Function):
+    """Base: saves (group, dim, sizes, stats); subclasses define fwd/bwd by name."""
+    fwd = bwd = None
 
-    @staticmethod
-    def forward(ctx, x, group, dim, sizes):
-        ctx.group, ctx.dim, ctx.sizes = group, dim, sizes
-        return _move_back(reduce_scatter_rows(_move_first(x, dim), group, sizes), dim)
+    @classmethod
+    def forward(cls, ctx, x, group, dim, sizes, stats):
+        ctx.group, ctx.dim, ctx.sizes, ctx.stats = group, dim, sizes, stats
+        return cls.fwd(ctx, x)
 
-    @staticmethod
-    def backward(ctx, g):
-        full = all_gather_rows(_move_first(g, ctx.dim), ctx.group, ctx.sizes, backward=True)
-        return _move_back(full, ctx.dim), None, None, None
+    @classmethod
+    def backward(cls, ctx, g):
+        return cls.bwd(ctx, g), None, None, None, None
+
+
+class _Split(_RowBlockOp):  # forward: own block; backward: all-gather
+    fwd = staticmethod(_split)
+    bwd = staticmethod(lambda ctx, g: _gather(ctx, g, backward=True))
+
+
+class _Gather(_RowBlockOp):  # forward: all-gather; backward: own block (replicated downstream)
+    fwd = staticmethod(_gather)
+    bwd = staticmethod(_split)
+
+
+class _GatherSequence(_RowBlockOp):  # forward: all-gather; backward: reduce-scatter
+    fwd = staticmethod(_gather)
+    bwd = staticmethod(lambda ctx, g: _reduce_scatter(ctx, g, backward=True))
+
+
+class _ReduceScatter(_RowBlockOp):  # forward: reduce-scatter; backward: all-gather
+    fwd = staticmethod(_reduce_scatter)
+    bwd = staticmethod(lambda ctx, g: _gather(ctx, g, backward=True))
 
 
 class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group, output_split_sizes, input_split_sizes):
-        ctx.group, ctx.out_s, ctx.in_s = group, output_split_sizes, input_split_sizes
-        return all_to_all_rows(x, group, output_split_sizes, input_split_sizes)
+    def forward(ctx, x, group, output_split_sizes, input_split_sizes, stats):
+        ctx.group, ctx.out_s, ctx.in_s, ctx.stats = group, output_split_sizes, input_split_sizes, stats
+        return all_to_all_rows(x, group, output_split_sizes, input_split_sizes, stats=stats)
 
     @staticmethod
     def backward(ctx, g):
-        return all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True), None, None, None
+        return (all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True, stats=ctx.stats),
+                None, None, None, None)
 
 
-def copy_to_region(x: torch.Tensor, group) -> torch.Tensor:
+def copy_to_region(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (entering a TP region)."""
-    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group)
+    return x if group_size(group) == 1 else _CopyToRegion.apply(x, group, stats)
 
 
-def reduce_from_region(x: torch.Tensor, group) -> torch.Tensor:
+def reduce_from_region(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
     """All-reduce forward (bytes = x bytes), identity backward (leaving a TP region)."""
-    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group)
+    return x if group_size(group) == 1 else _ReduceFromRegion.apply(x, group, stats)
 
 
-def scatter_to_region(x: torch.Tensor, group, dim: int = -1,
-                      sizes: Sequence[int] | None = None) -> torch.Tensor:
+def _row_block(fn_cls, x, group, dim, sizes, stats):
+    if group_size(group) == 1:
+        return x
+    return fn_cls.apply(x, group, dim % x.dim(), _tuple(sizes), stats)
+
+
+def scatter_to_region(x: torch.Tensor, group, dim: int = -1, sizes: Sequence[int] | None = None,
+                      stats: CommStats | None = None) -> torch.Tensor:
     """Keep this rank's block of ``dim`` (even, or ``sizes``); backward all-gathers."""
-    return x if group_size(group) == 1 else _Split.apply(x, group, dim % x.dim(), _tuple(sizes))
+    return _row_block(_Split, x, group, dim, sizes, stats)
 
 
-def gather_from_region(x: torch.Tensor, group, dim: int = -1,
-                       sizes: Sequence[int] | None = None) -> torch.Tensor:
+def gather_from_region(x: torch.Tensor, group, dim: int = -1, sizes: Sequence[int] | None = None,
+                       stats: CommStats | None = None) -> torch.Tensor:
     """All-gather along ``dim``; backward keeps this rank's block of the gradient."""
-    return x if group_size(group) == 1 else _Gather.apply(x, group, dim % x.dim(), _tuple(sizes))
+    return _row_block(_Gather, x, group, dim, sizes, stats)
 
 
-def gather_from_sequence_region(x: torch.Tensor, group, dim: int = 0,
-                                sizes: Sequence[int] | None = None) -> torch.Tensor:
+def gather_from_sequence_region(x: torch.Tensor, group, dim: int = 0, sizes: Sequence[int] | None = None,
+                                stats: CommStats | None = None) -> torch.Tensor:
     """All-gather along the sequence ``dim``; backward reduce-scatters the gradient."""
-    return x if group_size(group) == 1 else _GatherSequence.apply(x, group, dim % x.dim(), _tuple(sizes))
+    return _row_block(_GatherSequence, x, group, dim, sizes, stats)
 
 
-def reduce_scatter_to_region(x: torch.Tensor, group, dim: int = 0,
-                             sizes: Sequence[int] | None = None) -> torch.Tensor:
+def reduce_scatter_to_region(x: torch.Tensor, group, dim: int = 0, sizes: Sequence[int] | None = None,
+                             stats: CommStats | None = None) -> torch.Tensor:
     """Reduce-scatter along ``dim``; backward all-gathers the gradient."""
-    return x if group_size(group) == 1 else _ReduceScatter.apply(x, group, dim % x.dim(), _tuple(sizes))
+    return _row_block(_ReduceScatter, x, group, dim, sizes, stats)
 
 
 def all_to_all(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None = None,
-               input_split_sizes: Sequence[int] | None = None) -> torch.Tensor:
+               input_split_sizes: Sequence[int] | None = None, stats: CommStats | None = None) -> torch.Tensor:
     """All-to-all-v of the rows of ``x``: row block i goes to rank i (``input_split_sizes``),
     block j of the output came from rank j (``output_split_sizes``); ``None`` = even split.
     Backward is the reverse all-to-all."""
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes))
+    return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats)
 
 
 def _tuple(sizes: Sequence[int] | None) -> tuple[int, ...] | None:

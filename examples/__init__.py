@@ -1,0 +1,1 @@
+"""Examples: the GPT-MoE model, its data and its training script."""

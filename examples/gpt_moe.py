@@ -1,0 +1,191 @@
+"""A nanoGPT-sized GPT whose feed-forward blocks are moepar MoE layers.
+
+Megatron-style tensor parallelism for everything dense: attention heads split over the TP
+group (QKV column-parallel, output row-parallel), dense MLPs column -> row parallel,
+vocabulary-parallel embedding and loss. Optional sequence parallelism: the residual
+stream holds this TP rank's slice of the sequence (dim 1 of [B, S, D]), all-gathered
+before each column-parallel linear and reduce-scattered after each row-parallel one.
+Built on moepar's public API only.
+
+Legend: B batch, S sequence, D hidden, H heads (Hl per TP rank), V vocabulary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import moepar
+
+
+@dataclasses.dataclass(frozen=True)
+class GPTConfig:
+    vocab_size: int = 256          # byte-level tokens
+    context: int = 128
+    layers: int = 4
+    hidden: int = 128
+    heads: int = 4
+    experts: int = 8
+    topk: int = 2
+    moe_every: int = 1             # 1: every block is MoE; 2: every other block
+    expert_ffn: int = 256
+    dense_ffn: int = 512
+    capacity_factor: float | None = None
+    aux_loss_coeff: float = 1e-2
+    aux_loss_scope: str = "global"  # balance over the global batch: same curve at any dp size
+    z_loss_coeff: float = 1e-3
+    sequence_parallel: bool = False
+    checkpoint_activations: bool = False
+    init_seed: int = 1234
+
+    def __post_init__(self):
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        if self.moe_every < 1:
+            raise ValueError(f"moe_every={self.moe_every} must be >= 1")
+
+
+class LayerNorm(nn.LayerNorm):
+    """LayerNorm whose params see only local tokens under SP: grads summed over TP."""
+
+    def __init__(self, dim: int, sequence_parallel: bool):
+        super().__init__(dim)
+        for p in self.parameters():
+            p.sequence_parallel = sequence_parallel
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig, state: moepar.ParallelState, seed: int):
+        super().__init__()
+        tp = state.tp_size
+        if cfg.heads % tp:
+            raise ValueError(f"heads={cfg.heads} is not divisible by tensor_parallel_size={tp}")
+        self.heads_local, self.head_dim = cfg.heads // tp, cfg.hidden // cfg.heads
+        kw = dict(state=state, sequence_parallel=cfg.sequence_parallel, sequence_dim=1)
+        # q, k and v as separate column-parallel linears: each TP rank owns whole heads.
+        self.q = moepar.ColumnParallelLinear(cfg.hidden, cfg.hidden, init_seed=seed, init_std=0.02, **kw)
+        self.k = moepar.ColumnParallelLinear(cfg.hidden, cfg.hidden, init_seed=seed + 1, init_std=0.02, **kw)
+        self.v = moepar.ColumnParallelLinear(cfg.hidden, cfg.hidden, init_seed=seed + 2, init_std=0.02, **kw)
+        self.proj = moepar.RowParallelLinear(cfg.hidden, cfg.hidden, init_seed=seed + 3,
+                                             init_std=0.02 / math.sqrt(2 * cfg.layers), **kw)
+        self.recompute = cfg.checkpoint_activations
+
+    def _core(self, q, k, v):
+        B, S, _ = q.shape
+        q, k, v = (t.view(B, S, self.heads_local, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return y.transpose(1, 2).reshape(B, S, -1)
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        # Recompute only the local attention core: no collective is re-run in backward.
+        y = checkpoint(self._core, q, k, v, use_reentrant=False) if self.recompute else self._core(q, k, v)
+        return self.proj(y)
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: GPTConfig, state: moepar.ParallelState, seed: int):
+        super().__init__()
+        kw = dict(state=state, sequence_parallel=cfg.sequence_parallel, sequence_dim=1)
+        self.fc1 = moepar.ColumnParallelLinear(cfg.hidden, cfg.dense_ffn, init_seed=seed, init_std=0.02, **kw)
+        self.fc2 = moepar.RowParallelLinear(cfg.dense_ffn, cfg.hidden, init_seed=seed + 1,
+                                            init_std=0.02 / math.sqrt(2 * cfg.layers), **kw)
+        self.recompute = cfg.checkpoint_activations
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h = checkpoint(F.gelu, h, use_reentrant=False) if self.recompute else F.gelu(h)
+        return self.fc2(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig, state: moepar.ParallelState, index: int):
+        super().__init__()
+        seed = cfg.init_seed + 100 * (index + 1)
+        self.ln1 = LayerNorm(cfg.hidden, cfg.sequence_parallel)
+        self.attn = Attention(cfg, state, seed)
+        self.ln2 = LayerNorm(cfg.hidden, cfg.sequence_parallel)
+        self.is_moe = index % cfg.moe_every == cfg.moe_every - 1
+        if self.is_moe:
+            self.ffn = moepar.MoE(
+                cfg.hidden, cfg.experts, state.ep_size, k=cfg.topk, ffn_hidden=cfg.expert_ffn,
+                capacity_factor=cfg.capacity_factor, aux_loss_coeff=cfg.aux_loss_coeff,
+                z_loss_coeff=cfg.z_loss_coeff, aux_loss_scope=cfg.aux_loss_scope,
+                expert_tensor_parallel_size=state.etp_size,
+                sequence_parallel=cfg.sequence_parallel, state=state, init_seed=seed + 50, init_std=0.02,
+                checkpoint_experts=cfg.checkpoint_activations)
+        else:
+            self.ffn = DenseMLP(cfg, state, seed + 50)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.ffn(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig, state: moepar.ParallelState | None = None):
+        super().__init__()
+        state = state if state is not None else moepar.get_parallel_state()
+        self.cfg, self.state = cfg, state
+        if cfg.sequence_parallel and cfg.context % state.tp_size:
+            raise ValueError(f"context={cfg.context} is not divisible by tensor_parallel_size="
+                             f"{state.tp_size} (sequence parallelism splits the sequence)")
+        self.embed = moepar.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, init_seed=cfg.init_seed,
+                                                   sequence_parallel=cfg.sequence_parallel,
+                                                   sequence_dim=1, state=state)
+        gen = torch.Generator().manual_seed(cfg.init_seed + 1)
+        pos = torch.randn(cfg.context, cfg.hidden, generator=gen) * 0.02
+        if cfg.sequence_parallel:
+            n = cfg.context // state.tp_size
+            pos = pos[state.tp_rank * n:(state.tp_rank + 1) * n]
+        self.pos = nn.Parameter(pos.clone())
+        self.pos.tensor_model_parallel = cfg.sequence_parallel  # sliced by sequence under SP
+        self.pos.partition_dim = 0
+        self.blocks = nn.ModuleList(Block(cfg, state, i) for i in range(cfg.layers))
+        self.ln_f = LayerNorm(cfg.hidden, cfg.sequence_parallel)
+        self.head = moepar.ColumnParallelLinear(cfg.hidden, cfg.vocab_size, bias=False, init_std=0.02,
+                                                init_seed=cfg.init_seed + 2, state=state,
+                                                sequence_parallel=cfg.sequence_parallel, sequence_dim=1)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        """idx [B, S] -> vocab-parallel logits [B, S, V/tp], or the mean loss with targets."""
+        B, S = idx.shape
+        if S > self.cfg.context:
+            raise ValueError(f"sequence length {S} exceeds context={self.cfg.context}")
+        x = self.embed(idx)                       # [B, S(/tp under SP), D]
+        x = x + self.pos[: x.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln_f(x))          # [B, S, V/tp] (SP: sequence gathered)
+        if targets is None:
+            return logits
+        return moepar.vocab_parallel_cross_entropy(logits, targets, state=self.state)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, new_tokens: int, temperature: float = 0.8,
+                 top_k: int = 20, seed: int = 0) -> torch.Tensor:
+        """Sample ``new_tokens`` bytes after ``prompt`` [1, S]. Every rank runs it with the
+        same seed (the layers' collectives need all ranks) and gets the same tokens."""
+        gen = torch.Generator().manual_seed(seed)
+        idx = prompt
+        for _ in range(new_tokens):
+            window = idx[:, -self.cfg.context:]
+            if self.cfg.sequence_parallel:  # SP needs a sequence divisible by tp: left-pad
+                pad = (-window.shape[1]) % self.state.tp_size
+                window = F.pad(window, (pad, 0), value=ord(" "))
+            logits = self.full_logits(self(window)[:, -1, :]).float() / temperature
+            top = torch.topk(logits, top_k).values[:, -1:]
+            probs = torch.softmax(logits.masked_fill(logits < top, float("-inf")), dim=-1)
+            idx = torch.cat([idx, torch.multinomial(probs, 1, generator=gen)], dim=1)
+        return idx
+
+    def full_logits(self, logits_parallel: torch.Tensor) -> torch.Tensor:
+        from moepar.parallel.comm import all_gather_rows
+        if self.state.tp_size == 1:
+            return logits_parallel
+        parts = all_gather_rows(logits_parallel.movedim(-1, 0).contiguous(), self.state.tp_group)
+        return parts.movedim(0, -1)

@@ -1,0 +1,232 @@
+"""Token dispatch to the experts' ranks and back: permute, exchange counts, all-to-all-v,
+(expert-TP all-gather), regroup by local expert; and the mirror of each step to combine.
+
+Legend: T tokens this rank dispatches, D hidden, E global experts, L = E/ep local experts,
+K top-k, N routes this rank sends (kept routes, or E*C rows when padded to capacity),
+M rows this rank's experts process, S = ep*etp source blocks, P the EP group size.
+
+Collectives per call (b = bytes per element), in order:
+  dispatch: [ep>1] counts all-to-all, P*(L+4) int64 ; [ep>1] token all-to-all, N*D*b sent;
+            [etp>1] all-gather of the counts matrix (etp*ep*L*8) and of the rows (etp*M_r*D*b)
+  combine:  [etp>1] reduce-scatter of the partial outputs (etp*M_r*D*b) ; [ep>1] token all-to-all back
+  backward: the mirror of each token collective (all-to-all <-> all-to-all, all-gather <-> reduce-scatter).
+The dispatcher keeps no state between calls: everything ``combine`` needs is in ``DispatchMeta``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+import torch.distributed as dist
+
+from moepar_kernels.permute import permute, unpermute
+
+from ..parallel import comm
+
+# dtypes are exchanged as small integer codes in the counts message.
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+# metadata appended to every counts row: hidden size, dtype code, error flag, capacity.
+_META = 4
+
+
+def check_finite_enabled() -> bool:
+    return os.environ.get("MOEPAR_CHECK_FINITE", "0") == "1"
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[idx] for a permutation idx; the backward applies the inverse permutation (a gather,
+    not the scatter-add that index_select's generic backward would use)."""
+
+    @staticmethod
+    def forward(ctx, x, idx, inv):
+        ctx.save_for_backward(inv)
+        return x.index_select(0, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv,) = ctx.saved_tensors
+        return g.index_select(0, inv), None, None
+
+
+@dataclasses.dataclass
+class DispatchMeta:
+    """What ``combine`` needs to undo ``dispatch`` (no autograd state of its own)."""
+
+    num_tokens: int
+    row_map_TK: torch.Tensor             # [T, K] row of each route in the permuted buffer, -1 dropped
+    weights_TK: torch.Tensor             # [T, K] combine weights (in the graph)
+    send_splits: list[int] | None        # rows sent to each EP peer
+    recv_splits: list[int] | None        # rows received from each EP peer
+    etp_sizes: list[int] | None          # rows each ETP peer received (all-gather sizes)
+    regroup: tuple[torch.Tensor, torch.Tensor] | None  # (idx, inverse) source-major -> expert-major
+    tokens_per_local_expert: torch.Tensor  # [L] int64 on CPU: rows per local expert, expert-major
+    counts_SL: torch.Tensor              # [S, L] int64 on CPU: rows per (source block, local expert)
+    capacity: int | None                 # per-expert slots when padded, else None
+    token_sizes: list[int] | None = None  # TP shares of the tokens (dropless coordinated dispatch)
+
+
+class Dispatcher:
+    """Moves routes to the ranks that own their experts and back, over explicit groups.
+
+    ``ep_group``/``etp_group`` are torch.distributed groups or ``None`` (size one). Global
+    expert g lives on EP rank ``g // L`` as its local expert ``g % L``.
+    """
+
+    def __init__(self, num_experts: int, ep_group=None, etp_group=None, tp_group=None,
+                 stats: comm.CommStats | None = None):
+        self.num_experts = num_experts
+        # tp_group: the TP group whose ranks hold the same (replicated) tokens; None under
+        # sequence parallelism, where each TP rank's tokens are its own.
+        self.ep_group, self.etp_group, self.tp_group = ep_group, etp_group, tp_group
+        self.ep = comm.group_size(ep_group)
+        self.etp = comm.group_size(etp_group)
+        if num_experts % self.ep:
+            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={self.ep}")
+        self.num_local = num_experts // self.ep
+        self.stats = stats
+
+    # ---- the counts exchange doubles as a collective sanity check ----------------------
+    def _exchange_counts(self, counts_E: torch.Tensor, hidden: int, dtype: torch.dtype,
+                         error: str | None, capacity: int | None) -> torch.Tensor:
+        """Send each EP peer the counts for its experts plus (hidden, dtype, error, capacity);
+        receive [P, L + META]. Every rank checks every peer's metadata, so a bad input on one
+        rank raises on all of them here, before any token moves."""
+        P, L = self.ep, self.num_local
+        meta = torch.tensor([hidden, _DTYPES.index(dtype) if dtype in _DTYPES else -1,
+                             0 if error is None else 1, capacity or 0], dtype=torch.int64)
+        send = torch.cat([counts_E.to("cpu", torch.int64).view(P, L), meta.expand(P, _META)], dim=1)
+        # Counts travel on the tokens' device (NCCL needs CUDA tensors); tiny.
+        device = torch.device("cpu") if dist.get_backend(self.ep_group) == "gloo" else counts_E.device
+        recv = comm.all_to_all_rows(send.to(device), self.ep_group, None, None, stats=self.stats).cpu()
+        peers = recv[:, L:]
+        me = dist.get_rank(self.ep_group)
+        if error is not None:
+            raise ValueError(error)
+        bad = [int(r) for r in torch.nonzero(peers[:, 2]).flatten()]
+        if bad:
+            raise ValueError(f"MoE dispatch aborted: EP rank(s) {bad} reported invalid input "
+                             f"(see their error); this is EP rank {me}")
+        if (peers[:, 0] != hidden).any() or (peers[:, 1] != peers[me, 1]).any():
+            raise ValueError(f"MoE dispatch: hidden sizes {peers[:, 0].tolist()} and dtypes "
+                             f"{[str(_DTYPES[c]) if c >= 0 else '?' for c in peers[:, 1].tolist()]} "
+                             f"differ across the EP group; every rank must send the same hidden size and dtype")
+        counts = recv[:, :L]
+        if (counts < 0).any():
+            raise ValueError(f"MoE dispatch: negative route counts received: {counts.tolist()}")
+        return recv
+
+    def preflight_error(self, error: str, hidden: int, dtype: torch.dtype) -> None:
+        """A rank whose input is invalid calls this instead of ``dispatch``: its EP peers
+        learn of it in the counts exchange and everyone raises, nobody hangs."""
+        if self.ep > 1:
+            self._exchange_counts(torch.zeros(self.num_experts, dtype=torch.int64), hidden, dtype, error, None)
+        raise ValueError(error)
+
+    def dispatch(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
+                 weights_TK: torch.Tensor, capacity: int | None = None) -> tuple[torch.Tensor, DispatchMeta]:
+        """Rows for this rank's local experts, expert-major, and the meta to combine.
+
+        Dropless (``capacity=None``): with a TP group, each TP rank dispatches only its
+        near-even share of the (replicated) tokens. Padded (``capacity`` = slots per expert):
+        every expert gets the same number of slots, the max over the EP group rounded up to
+        a multiple of tp, empty slots zero; the TP ranks split each expert's slots, so every
+        all-to-all split is equal.
+        """
+        T, D = x_TD.shape
+        E, L, P = self.num_experts, self.num_local, self.ep
+        if check_finite_enabled():
+            flag = torch.tensor([0 if bool(torch.isfinite(x_TD).all()) else 1])
+            if dist.is_available() and dist.is_initialized():
+                comm.all_reduce_(flag, dist.group.WORLD, op=dist.ReduceOp.MAX, stats=self.stats)
+            if int(flag):
+                raise ValueError("MOEPAR_CHECK_FINITE=1: non-finite values in the MoE layer input (on some rank)")
+        tp, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
+        token_sizes = None
+        if capacity is not None:
+            if P > 1:  # agree on one capacity so that every split is equal
+                recv = self._exchange_counts(torch.zeros(E, dtype=torch.int64), D, x_TD.dtype, None, capacity)
+                capacity = int(recv[:, L + 3].max())
+            capacity = -(-capacity // tp) * tp
+            x_ND, counts_E, row_map = permute(x_TD, expert_ids_TK, dropped_TK, E, capacity=capacity)
+            if tp > 1:  # this TP rank's slice of every expert's slots: [E, C/tp, D]
+                x_ND = comm.scatter_to_region(x_ND.view(E, capacity, D), self.tp_group, 1,
+                                              stats=self.stats).reshape(-1, D)
+            slots = capacity // tp
+            counts_PL = torch.full((P, L), slots, dtype=torch.int64)
+            send = recv_ = [L * slots] * P
+        else:
+            if tp > 1:  # parallelism-coordinated: this TP rank's share of the replicated tokens
+                token_sizes = comm.split_sizes(T, tp)
+                lo = sum(token_sizes[:tp_rank])
+                hi = lo + token_sizes[tp_rank]
+                x_TD = comm.scatter_to_region(x_TD, self.tp_group, 0, token_sizes, stats=self.stats)
+                weights_TK = comm.scatter_to_region(weights_TK, self.tp_group, 0, token_sizes, stats=self.stats)
+                expert_ids_TK = expert_ids_TK[lo:hi]
+                dropped_TK = None if dropped_TK is None else dropped_TK[lo:hi]
+            x_ND, counts_E, row_map = permute(x_TD, expert_ids_TK, dropped_TK, E)
+            if P > 1:
+                counts_PL = self._exchange_counts(counts_E, D, x_TD.dtype, None, None)[:, :L]
+                send = counts_E.view(P, L).sum(1).tolist()
+                recv_ = counts_PL.sum(1).tolist()
+            else:
+                counts_PL, send, recv_ = counts_E.to("cpu", torch.int64).view(1, L), None, None
+        x_recv = comm.all_to_all(x_ND, self.ep_group, recv_, send, stats=self.stats) if P > 1 else x_ND
+        etp_sizes = None
+        counts_SL = counts_PL
+        if self.etp > 1:
+            # Every ETP rank needs the rows of all its ETP peers (each holds a slice of the
+            # same experts): gather the counts matrices, then the rows.
+            mats = comm.all_gather_rows(counts_PL.to(self._small_device(x_TD)), self.etp_group,
+                                        stats=self.stats).cpu()
+            counts_SL = mats.view(self.etp * P, L)
+            etp_sizes = mats.view(self.etp, P * L).sum(1).tolist()
+            x_recv = comm.gather_from_sequence_region(x_recv, self.etp_group, 0, etp_sizes, stats=self.stats)
+        regroup = None
+        if counts_SL.shape[0] > 1:
+            regroup = _regroup_index(counts_SL, x_recv.device)
+            x_recv = _PermuteRows.apply(x_recv, *regroup)
+        meta = DispatchMeta(T, row_map, weights_TK, send, recv_, etp_sizes, regroup,
+                            counts_SL.sum(0), counts_SL, capacity, token_sizes)
+        return x_recv, meta
+
+    def combine(self, y_local: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
+        """Inverse of ``dispatch``; weights each route's output and sums per token: [T, D]."""
+        y = y_local
+        if meta.regroup is not None:
+            idx, inv = meta.regroup
+            y = _PermuteRows.apply(y, inv, idx)
+        if self.etp > 1:
+            y = comm.reduce_scatter_to_region(y, self.etp_group, 0, meta.etp_sizes, stats=self.stats)
+        if self.ep > 1:
+            y = comm.all_to_all(y, self.ep_group, meta.send_splits, meta.recv_splits, stats=self.stats)
+        tp = comm.group_size(self.tp_group)
+        if meta.capacity is not None:
+            if tp > 1:  # gather every expert's slot slices back: [E, C, D]
+                y = comm.gather_from_region(y.view(self.num_experts, -1, y.shape[-1]), self.tp_group, 1,
+                                            stats=self.stats).reshape(-1, y.shape[-1])
+            return unpermute(y, meta.row_map_TK, meta.weights_TK, meta.num_tokens)
+        # row_map/weights cover this rank's token share only (all tokens without TP).
+        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0])
+        if meta.token_sizes is not None:
+            y = comm.gather_from_region(y, self.tp_group, 0, meta.token_sizes, stats=self.stats)
+        return y
+
+    def _small_device(self, x: torch.Tensor) -> torch.device:
+        return torch.device("cpu") if dist.get_backend(self.etp_group) == "gloo" else x.device
+
+
+def _regroup_index(counts_SL: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Permutation taking rows from source-major blocks (s, l) to expert-major (l, s), and
+    its inverse. O(M) with repeat_interleave; counts_SL lives on the host."""
+    S, L = counts_SL.shape
+    flat = counts_SL.reshape(-1)
+    src_start = torch.cumsum(flat, 0) - flat                   # start of block (s, l), source order
+    order = torch.arange(S * L).view(S, L).t().reshape(-1)     # blocks in (l, s) order
+    cnt, starts = flat[order], src_start[order]
+    tgt_start = torch.cumsum(cnt, 0) - cnt
+    M = int(flat.sum())
+    idx = torch.arange(M) + torch.repeat_interleave(starts - tgt_start, cnt, output_size=M)
+    inv = torch.empty_like(idx)
+    inv[idx] = torch.arange(M)
+    return idx.to(device), inv.to(device)

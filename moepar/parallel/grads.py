@@ -1,0 +1,118 @@
+"""Data-parallel gradient reduction for models mixing dense and expert parameters.
+
+Rules (objective = mean over data-parallel replicas of each replica's loss):
+- dense parameter: sum over the dp group, divide by dp. A dense parameter marked
+  ``sequence_parallel=True`` (replicated over TP but fed only this rank's tokens) is first
+  summed over the TP group.
+- expert parameter (``moepar_expert=True``): its gradient already holds the contributions
+  of every token routed to it from the whole EP group, so it is summed over the
+  expert-data-parallel group (the other copies of the same expert slice) and divided by
+  dp, not edp. An expert parameter replicated across expert-TP ranks
+  (``moepar_expert_partition_dim is None``, e.g. the output bias, applied on ETP rank 0
+  only) is first summed over the ETP group.
+A ``None`` gradient counts as zeros, so every rank issues the same collectives.
+Gradients are flattened into one buffer per (group, dtype) to keep the call count low.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+from torch import nn
+
+from . import comm
+from .groups import ParallelState, get_parallel_state
+
+
+def is_expert_param(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "moepar_expert", False))
+
+
+def expert_param_names(model: nn.Module) -> list[str]:
+    """Names of expert parameters: give them to DDP's ignore list and reduce them here."""
+    return [n for n, p in model.named_parameters() if is_expert_param(p)]
+
+
+def _reduce(params: list[torch.Tensor], group, scale: float, stats: comm.CommStats | None) -> None:
+    if not params:
+        return
+    if comm.group_size(group) == 1 and scale == 1.0:
+        return
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
+    for p in params:
+        by_dtype[p.grad.dtype].append(p)
+    for plist in by_dtype.values():
+        flat = torch.cat([p.grad.reshape(-1) for p in plist])
+        comm.all_reduce_(flat, group, stats=stats)
+        if scale != 1.0:
+            flat.mul_(scale)
+        offset = 0
+        for p in plist:
+            n = p.grad.numel()
+            p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+            offset += n
+
+
+def allreduce_gradients(model: nn.Module, state: ParallelState | None = None, op: str = "mean",
+                        which: str = "all", stats: comm.CommStats | None = None) -> None:
+    """Reduce ``model``'s gradients: dense over dp, experts over edp (see module doc).
+
+    ``op``: "mean" (divide by dp: the gradient of the mean of the replicas' losses) or
+    "sum". ``which``: "all", "dense" or "expert" (e.g. "expert" when DDP handles the
+    dense parameters).
+    """
+    if op not in ("mean", "sum"):
+        raise ValueError(f"op={op!r} must be 'mean' or 'sum'")
+    if which not in ("all", "dense", "expert"):
+        raise ValueError(f"which={which!r} must be 'all', 'dense' or 'expert'")
+    state = state if state is not None else get_parallel_state()
+    params = [p for p in model.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    scale = 1.0 / state.dp_size if op == "mean" else 1.0
+    experts = [p for p in params if is_expert_param(p)]
+    dense = [p for p in params if not is_expert_param(p)]
+    if which in ("all", "expert"):
+        _reduce([p for p in experts if getattr(p, "moepar_expert_partition_dim", 0) is None],
+                state.etp_group, 1.0, stats)
+        _reduce(experts, state.edp_group, scale, stats)
+    if which in ("all", "dense"):
+        _reduce([p for p in dense if getattr(p, "sequence_parallel", False)], state.tp_group, 1.0, stats)
+        _reduce(dense, state.dp_group, scale, stats)
+
+
+def grad_norm(model: nn.Module, state: ParallelState | None = None,
+              stats: comm.CommStats | None = None) -> torch.Tensor:
+    """Global L2 norm of the gradients of the whole (unsharded) model, the same on every
+    rank (call after ``allreduce_gradients``). Each distinct parameter slice counts once:
+    dense TP-sliced params summed over TP, replicated ones counted on TP rank 0; expert
+    slices summed over the EP and ETP groups, ETP-replicated ones counted on ETP rank 0."""
+    state = state if state is not None else get_parallel_state()
+    dense_sq = torch.zeros((), dtype=torch.float64)
+    expert_sq = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum().cpu()
+        if is_expert_param(p):
+            if getattr(p, "moepar_expert_partition_dim", 0) is not None or state.etp_rank == 0:
+                expert_sq += sq
+        elif getattr(p, "tensor_model_parallel", False) or state.tp_rank == 0:
+            dense_sq += sq
+    comm.all_reduce_(dense_sq, state.tp_group, stats=stats)
+    comm.all_reduce_(expert_sq, state.ep_group, stats=stats)
+    comm.all_reduce_(expert_sq, state.etp_group, stats=stats)
+    return (dense_sq + expert_sq).sqrt().float()
+
+
+def clip_grad_norm_(model: nn.Module, max_norm: float, state: ParallelState | None = None,
+                    stats: comm.CommStats | None = None) -> torch.Tensor:
+    """Scale all gradients so the global norm is at most ``max_norm``; returns the norm."""
+    total = grad_norm(model, state, stats)
+    scale = max_norm / (float(total) + 1e-6)
+    if scale < 1.0:
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return total

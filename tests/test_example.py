@@ -1,0 +1,90 @@
+"""The GPT-MoE example: layouts agree, resume across layouts, data errors, crash safety."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from examples import train_gpt_moe
+from examples.data import load_corpus
+
+from .multiproc import run_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--layers", "2", "--hidden", "16", "--heads", "2", "--context", "16", "--experts", "4",
+        "--topk", "2", "--expert-ffn", "32", "--dense-ffn", "32", "--batch-size", "8",
+        "--eval-interval", "1000", "--eval-batches", "1", "--sample-tokens", "0", "--quiet",
+        "--log-interval", "1000"]
+
+
+def _train(argv):
+    return train_gpt_moe.train(train_gpt_moe.parse_args(argv))["losses"]
+
+
+def test_layouts_agree_on_the_first_losses(tmp_path):
+    common = TINY + ["--steps", "5", "--lr", "1e-2", "--warmup", "2"]
+    single = _train(common + ["--out", str(tmp_path / "single")])
+    assert len(single) == 5 and single[-1] < single[0]
+    for tp, ep in [(2, 2), (1, 4)]:
+        out = str(tmp_path / f"tp{tp}ep{ep}")
+        per_rank = run_ranks(_train, 4, common + ["--tp", str(tp), "--ep", str(ep), "--out", out])
+        for losses in per_rank:
+            assert max(abs(a - b) for a, b in zip(losses, single)) <= 1e-4, (tp, ep, losses, single)
+
+
+def test_resume_under_another_layout_continues_the_same_curve(tmp_path):
+    common = TINY + ["--steps", "6", "--lr", "1e-2", "--warmup", "2"]
+    full_dir = str(tmp_path / "full")
+    full = run_ranks(_train, 4, common + ["--tp", "2", "--ep", "2", "--out", full_dir,
+                                          "--checkpoint-every", "3"])[0]
+    resume_dir = str(tmp_path / "resume")
+    os.makedirs(os.path.join(resume_dir, "checkpoints"))
+    shutil.copytree(os.path.join(full_dir, "checkpoints", "step_3"),
+                    os.path.join(resume_dir, "checkpoints", "step_3"))
+    resumed = run_ranks(_train, 4, common + ["--ep", "4", "--out", resume_dir, "--resume"])[0]
+    assert len(resumed) == 6
+    assert resumed[:3] == full[:3]  # restored from the checkpoint's metrics
+    assert max(abs(a - b) for a, b in zip(resumed[3:], full[3:])) <= 1e-5, (resumed, full)
+
+
+def test_data_errors_are_clear(tmp_path, capsys):
+    with pytest.raises(ValueError, match="no such file or folder"):
+        load_corpus(str(tmp_path / "missing.txt"), 16)
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="the data is empty"):
+        load_corpus(str(empty), 16)
+    short = tmp_path / "short.txt"
+    short.write_bytes(b"x" * 30)
+    with pytest.raises(ValueError, match="needs at least context\\+2 = 18 bytes"):
+        load_corpus(str(short), 16)
+    assert train_gpt_moe.main(TINY + ["--data", str(empty), "--out", str(tmp_path / "o")]) == 2
+    assert "error: --data" in capsys.readouterr().err
+    corpus = load_corpus(None, 128)
+    assert len(corpus.train) > 1_000_000 and len(corpus.val) > 100_000
+
+
+def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
+    out = str(tmp_path / "run")
+    cmd = [sys.executable, os.path.join(ROOT, "examples", "train_gpt_moe.py")] + TINY + [
+        "--steps", "400", "--checkpoint-every", "2", "--out", out]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    ckpts = os.path.join(out, "checkpoints")
+    deadline = time.time() + 120
+    while time.time() < deadline and not (os.path.isdir(ckpts) and
+                                          len([d for d in os.listdir(ckpts) if d.startswith("step_")]) >= 2):
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)  # mid-step, possibly mid-save
+    proc.wait()
+    from moepar.checkpoint import latest_checkpoint
+    last = latest_checkpoint(ckpts)
+    assert last is not None, proc.stderr.read().decode()[-2000:]
+    done = int(last.rsplit("_", 1)[1])
+    resumed = subprocess.run(cmd[:-4] + ["--steps", str(done + 2), "--out", out, "--resume"], env=env,
+                             capture_output=True, text=True, timeout=120)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert latest_checkpoint(ckpts).endswith(f"step_{done + 2}")

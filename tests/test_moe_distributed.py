@@ -1,0 +1,232 @@
+"""The expert-parallel layer equals the single-process layer in every layout (gloo, CPU)."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from moepar.moe.layer import MoE, aux_loss
+from moepar.parallel import allreduce_gradients, init_parallel
+
+from . import moe_ref
+from .multiproc import run_ranks
+
+LAYOUTS = [(2, 1, 2, 1), (4, 1, 4, 1), (4, 1, 2, 1), (4, 2, 2, 1), (4, 2, 2, 2), (4, 1, 2, 2), (4, 2, 1, 1)]
+VARIANTS = [dict(k=k, score_func=s, num_shared_experts=sh)
+            for k in (1, 2) for s in ("softmax", "sigmoid") for sh in (0, 1)]
+
+
+def _tokens(dp_rank: int, uneven: bool) -> int:
+    return [5, 0, 3, 7][dp_rank % 4] if uneven else 6
+
+
+def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=True):
+    """For each variant: distributed vs single-process outputs, dX, and all weight grads."""
+    state = init_parallel(tp, ep, etp, verbose=False)
+    results = []
+    for variant in variants:
+        kw = dict(variant, **(layer_kw or {}))
+        moe = moe_ref.build(state, **kw)
+        ref = moe_ref.build(None, **kw)
+        # Reference: every data-parallel replica's batch through the single-process layer,
+        # grads accumulated (= the gradient of the sum of the replicas' losses).
+        for d in range(state.dp_size):
+            xd, gd = moe_ref.replica_input(d, _tokens(d, uneven))
+            yd = ref(xd)
+            (((yd * gd).sum() + (aux_loss(ref) if loss_with_aux else 0.0))).backward()
+            if d == state.dp_rank:
+                x_ref = xd.clone().requires_grad_()
+                y_ref = ref(x_ref)
+                ((y_ref * gd).sum() + (aux_loss(ref) if loss_with_aux else 0.0)).backward(inputs=[x_ref])
+        x, g = moe_ref.replica_input(state.dp_rank, _tokens(state.dp_rank, uneven))
+        x.requires_grad_()
+        y = moe(x)
+        ((y * g).sum() + (aux_loss(moe) if loss_with_aux else 0.0)).backward()
+        allreduce_gradients(moe, state, op="sum")
+        grads = moe_ref.max_param_diff(moe, ref, state, use_grad=True)
+        weights = moe_ref.max_param_diff(moe, ref, state, use_grad=False)
+        results.append({"variant": variant, "y": float((y - y_ref).abs().max()) if y.numel() else 0.0,
+                         "dx": float((x.grad - x_ref.grad).abs().max()) if x.numel() else 0.0,
+                         "weights": max(weights.values()), "grads": grads,
+                         "dropped": int(moe.stats.dropped), "ref_dropped": int(ref.stats.dropped)})
+    return results
+
+
+def _assert_close(per_rank, atol=1e-5):
+    for rank, results in enumerate(per_rank):
+        for r in results:
+            where = f"rank {rank} {r['variant']}"
+            assert r["weights"] == 0.0, where
+            assert r["y"] <= atol and r["dx"] <= atol, (where, r["y"], r["dx"])
+            bad = {k: v for k, v in r["grads"].items() if not v <= atol}
+            assert not bad, (where, bad)
+
+
+@pytest.mark.parametrize("world,tp,ep,etp", LAYOUTS)
+def test_layouts_match_single_process(world, tp, ep, etp):
+    _assert_close(run_ranks(_compare, world, tp, ep, etp, VARIANTS))
+
+
+@pytest.mark.parametrize("world,tp,ep,etp", [(4, 1, 4, 1), (4, 2, 2, 2)])
+def test_uneven_token_counts_including_zero(world, tp, ep, etp):
+    # dp replicas hold 5, 0, 3, 7 tokens: one rank sends and (for some experts) receives nothing.
+    _assert_close(run_ranks(_compare, world, tp, ep, etp, VARIANTS[:2], True))
+
+
+def _all_to_one_expert(ep):
+    state = init_parallel(1, ep, verbose=False)
+    moe = moe_ref.build(state, k=2, num_experts=4)
+    with torch.no_grad():  # every token's top choice is expert 3 (ties impossible: big margin)
+        moe.router.weight.zero_()
+        moe.router.weight[3] = 0.0
+        moe.router.weight[3, 0] = 50.0
+    ref = moe_ref.build(None, k=2, num_experts=4)
+    ref.load_state_dict(moe_state_full(moe, ref))
+    x, _ = moe_ref.replica_input(state.dp_rank, 6)
+    x = x.abs()  # positive feature 0 -> expert 3 wins everywhere
+    y = moe(x)
+    return float((y - ref(x)).abs().max()), moe.stats.tokens_per_expert.tolist()
+
+
+def moe_state_full(moe, ref):
+    sd = ref.state_dict()
+    sd["router.weight"] = moe.router.weight.detach().clone()
+    return sd
+
+
+def test_all_tokens_on_one_expert():
+    for diff, tpe in run_ranks(_all_to_one_expert, 4, 4):
+        assert diff <= 1e-5
+        assert tpe[3] == 6 and sum(tpe) == 12
+
+
+@pytest.mark.parametrize("pad", [False, True])
+def test_capacity_mode_with_drops_counts_and_matches(pad):
+    kw = dict(capacity_factor=0.5, min_capacity=1, pad_to_capacity=pad)
+    per_rank = run_ranks(_compare, 4, 2, 2, 1, VARIANTS[2:3], False, kw)
+    _assert_close(per_rank)
+    for results in per_rank:
+        assert results[0]["dropped"] > 0 and results[0]["dropped"] == results[0]["ref_dropped"]
+
+
+def _count_collectives(tp, ep, etp, pad):
+    state = init_parallel(tp, ep, etp, verbose=False)
+    kw = dict(capacity_factor=1.0, pad_to_capacity=True) if pad else {}
+    moe = moe_ref.build(state, k=2, **kw)
+    x, g = moe_ref.replica_input(state.dp_rank, 6)
+    y = moe(x.requires_grad_())
+    fwd = {op: moe.stats.comm.count(op, backward=False) for op in ("all_to_all", "all_gather", "reduce_scatter")}
+    (y * g).sum().backward()
+    bwd = {op: moe.stats.comm.count(op, backward=True) for op in ("all_to_all", "all_gather", "reduce_scatter")}
+    nbytes = moe.stats.comm_bytes("all_to_all", backward=False)
+    return fwd, bwd, nbytes
+
+
+@pytest.mark.parametrize("layout,pad,fwd,bwd", [
+    ((1, 4, 1), False, {"all_to_all": 3, "all_gather": 0, "reduce_scatter": 0}, {"all_to_all": 2, "all_gather": 0, "reduce_scatter": 0}),
+    ((1, 4, 1), True, {"all_to_all": 3, "all_gather": 0, "reduce_scatter": 0}, {"all_to_all": 2, "all_gather": 0, "reduce_scatter": 0}),
+    ((2, 1, 1), False, {"all_to_all": 0, "all_gather": 1, "reduce_scatter": 0}, {"all_to_all": 0, "all_gather": 2, "reduce_scatter": 0}),
+    ((1, 2, 2), False, {"all_to_all": 3, "all_gather": 2, "reduce_scatter": 1}, {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}),
+])
+def test_collective_counts_are_as_documented(layout, pad, fwd, bwd):
+    for f, b, nbytes in run_ranks(_count_collectives, 4, *layout, pad):
+        assert f == fwd and b == bwd
+        assert (nbytes > 0) == (layout[1] > 1)
+
+
+def _bad_inputs():
+    state = init_parallel(1, 2, verbose=False)
+    errors = []
+    for build in (lambda: MoE(8, 5, 2, state=state), lambda: MoE(8, 4, 4, state=state),
+                  lambda: MoE(8, 4, 2, k=5, state=state)):
+        try:
+            build()
+            errors.append(None)
+        except ValueError as e:
+            errors.append(str(e))
+    moe = moe_ref.build(state)
+    try:  # every rank passes a wrong hidden size
+        moe(torch.randn(3, 7))
+        errors.append(None)
+    except ValueError as e:
+        errors.append(str(e))
+    try:  # only rank 1 passes a wrong hidden size: rank 0 must not hang in the all-to-all
+        moe(torch.randn(3, 8 if dist.get_rank() == 0 else 6))
+        errors.append(None)
+    except ValueError as e:
+        errors.append(str(e))
+    try:  # dtypes differ across ranks
+        moe(torch.randn(3, 8, dtype=torch.float32 if dist.get_rank() == 0 else torch.float64))
+        errors.append(None)
+    except (ValueError, RuntimeError) as e:
+        errors.append(str(e))
+    return errors
+
+
+def test_bad_input_raises_on_every_rank():
+    for rank, errors in enumerate(run_ranks(_bad_inputs, 2)):
+        assert "num_experts=5 is not divisible by ep_size=2" in errors[0]
+        assert "ep_size=4 does not match the parallel state's expert_parallel_size=2" in errors[1]
+        assert "k=5" in errors[2]
+        assert "hidden=8" in errors[3]
+        assert errors[4] is not None and errors[5] is not None, errors
+
+
+def _nan_tokens(check):
+    import os
+    os.environ["MOEPAR_CHECK_FINITE"] = "1" if check else "0"
+    try:
+        state = init_parallel(1, 2, verbose=False)
+        moe = moe_ref.build(state, k=2)
+        x, _ = moe_ref.replica_input(state.dp_rank, 5)
+        if dist.get_rank() == 1:
+            x[2, 3] = float("nan")
+        try:
+            y = moe(x)
+        except ValueError as e:
+            return "raised", str(e)
+        ref = moe_ref.build(None, k=2)
+        y_ref = ref(x)
+        finite_rows = torch.isfinite(x).all(dim=1)
+        ok = torch.allclose(y[finite_rows], y_ref[finite_rows], atol=1e-5)
+        return "ran", (ok, torch.isnan(y[~finite_rows]).all().item() if (~finite_rows).any() else True)
+    finally:
+        os.environ.pop("MOEPAR_CHECK_FINITE", None)
+
+
+def test_nonfinite_input_raises_in_debug_mode_else_stays_on_its_token():
+    for kind, msg in run_ranks(_nan_tokens, 2, True):
+        assert kind == "raised" and "non-finite" in msg
+    for kind, (others_ok, nan_row_nan) in run_ranks(_nan_tokens, 2, False):
+        assert kind == "ran" and others_ok and nan_row_nan
+
+
+def _global_aux(tp, ep, sp):
+    state = init_parallel(tp, ep, verbose=False)
+    kw = dict(k=2, aux_loss_scope="global", aux_loss_coeff=0.5, z_loss_coeff=0.1)
+    moe = moe_ref.build(state, sequence_parallel=sp, **kw)
+    ref = moe_ref.build(None, **kw)
+    xs, gs = zip(*[moe_ref.replica_input(d, _tokens(d, True) + 1) for d in range(state.dp_size)])
+    # Reference: the whole global batch in one process, objective mean_d(task_d) + aux(all).
+    y_ref = ref(torch.cat(xs))
+    ((y_ref * torch.cat(gs)).sum() / state.dp_size + aux_loss(ref)).backward()
+    x, g = xs[state.dp_rank], gs[state.dp_rank]
+    if sp:  # this TP rank's own slice of the replica's tokens
+        n = comm_split(x.shape[0], state)
+        x, g = x[n[0]:n[1]], g[n[0]:n[1]]
+    y = moe(x)
+    ((y * g).sum() + aux_loss(moe)).backward()
+    allreduce_gradients(moe, state, op="mean")
+    return (float((aux_loss(moe) - aux_loss(ref)).abs()),
+            float((moe.router.weight.grad - ref.router.weight.grad).abs().max()))
+
+
+def comm_split(n, state):
+    from moepar.parallel.comm import split_sizes
+    sizes = split_sizes(n, state.tp_size)
+    lo = sum(sizes[:state.tp_rank])
+    return lo, lo + sizes[state.tp_rank]
+
+
+@pytest.mark.parametrize("tp,ep,sp", [(1, 4, False), (2, 2, False), (2, 2, True)])
+def test_global_aux_loss_scope_equals_the_global_batch_loss(tp, ep, sp):
+    for aux_diff, grad_diff in run_ranks(_global_aux, 4, tp, ep, sp):
+        assert aux_diff <= 1e-6 and grad_diff <= 1e-5, (aux_diff, grad_diff)
