@@ -158,6 +158,7 @@ def train(args) -> dict:
     if args.resume and (path := checkpoint.latest_checkpoint(ckpt_dir)):
         extra = checkpoint.load(path, model, opt, extra_keys=("step", "metrics"), state=state)
         start, metrics = extra["step"], extra["metrics"]
+        metrics["resumed_at"] = start
         log(f"resumed from {path} (step {start})")
     all_events: list[comm.CommEvent] = []
     tokens_per_step = args.batch_size * args.context
@@ -209,26 +210,44 @@ def train(args) -> dict:
 
 
 def _finish(args, cfg, state, model, metrics, events, device, log) -> None:
-    if args.sample_tokens:
+    if args.sample_tokens:  # every rank generates: the layers' collectives need them all
         prompt = torch.tensor([list(b"def ")], device=device)
         with _autocast(device):
             text = model.generate(prompt, args.sample_tokens, seed=args.seed)
         metrics["sample"] = bytes(text[0].tolist()).decode("utf-8", errors="replace")
+    hardware = _report_hardware(args, state, log)  # may calibrate: a collective, all ranks
     if state.rank != 0:
         return
     losses, val = metrics["losses"], metrics["val"]
     if losses:
-        log(f"\n== summary: {len(losses)} steps in {metrics.get('wall_seconds', 0):.0f}s; train loss "
-            f"{losses[0]:.3f} -> {losses[-1]:.3f}; validation loss {val[-1][1]:.3f}" if val else "")
+        log(f"\n== summary: {len(losses)} steps, {metrics.get('wall_seconds', 0):.0f}s; train loss "
+            f"{losses[0]:.3f} -> {losses[-1]:.3f}" + (f"; validation loss {val[-1][1]:.3f}" if val else ""))
+        comm_s = metrics["comm_seconds"]
+        log("time: compute {:.1f}s, all-to-all {:.1f}s, all-reduce {:.1f}s, all-gather {:.1f}s, "
+            "reduce-scatter {:.1f}s".format(metrics["compute_seconds"], *(comm_s.get(op, 0.0) for op in (
+                "all_to_all", "all_reduce", "all_gather", "reduce_scatter"))))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1, default=str)
     _plot(args, metrics, log)
     if "sample" in metrics:
-        log("== sample:\n" + metrics["sample"])
-    report = cost_report(args, cfg, state, events, len(losses))
-    if report:
-        log(report)
+        log("== sample (prompt 'def '):\n" + metrics["sample"])
+    if hardware is not None:
+        log(cost_report(args, cfg, state, model, events, len(losses) - metrics.get("resumed_at", 0), hardware))
+
+
+def _report_hardware(args, state, log):
+    """The hardware the cost report prices with: ``--hardware`` (preset or profile JSON),
+    else a quick calibration of this run's own backend (all ranks take part)."""
+    from moepar.cost import get_hardware
+    from moepar.cost.calibrate import calibrate, size_sweep
+    if args.hardware:
+        return get_hardware(args.hardware)
+    if state.world_size < 2:
+        return None  # one process: no collectives to price
+    sizes = [n for n in (2, 4, 8) if n <= state.world_size and state.world_size % n == 0]
+    log("calibrating this backend's collectives for the cost report (--hardware skips this) ...")
+    return calibrate(size_sweep(16 * 1024, 4 * 1024 * 1024, 4.0), sizes, repeats=3)
 
 
 def _plot(args, metrics, log) -> None:
@@ -251,9 +270,23 @@ def _plot(args, metrics, log) -> None:
     log(f"wrote {path} and {os.path.join(args.out, 'metrics.json')}")
 
 
-def cost_report(args, cfg, state, events, steps) -> str:
+def cost_report(args, cfg, state, model, events, steps, hardware) -> str:
     """The cost model's report for this configuration, measured times beside predicted."""
-    return ""
+    from moepar.cost import CostLayout, MoESpec, imbalance_from_counts, measured_vs_predicted
+    from moepar.cost.report import report_for
+    moes = [m for m in model.modules() if isinstance(m, moepar.MoE)]
+    counts = sum(m.stats.tokens_per_expert.double() for m in moes).tolist() if moes else None
+    imbalance = imbalance_from_counts(counts, state.ep_size) if counts and sum(counts) else 1.0
+    spec = MoESpec(hidden=cfg.hidden, ffn=cfg.expert_ffn, experts=cfg.experts, topk=cfg.topk,
+                   tokens=args.batch_size // state.dp_size * cfg.context,
+                   dtype="bf16" if torch.cuda.is_available() else "fp32",
+                   capacity_factor=cfg.capacity_factor, gated=False, layers=len(moes), heads=cfg.heads,
+                   vocab=cfg.vocab_size, seq_len=cfg.context, imbalance=max(1.0, imbalance))
+    layout = CostLayout(gpus=state.world_size, gpus_per_node=hardware.gpus_per_node, tp=state.tp_size,
+                        ep=state.ep_size, etp=state.etp_size, sp=cfg.sequence_parallel)
+    return "\n".join(["", "== communication cost report for this run " + "=" * 30,
+                      report_for(spec, layout, hardware), "",
+                      measured_vs_predicted(spec, layout, hardware, events, steps=max(1, steps))])
 
 
 def main(argv: list[str] | None = None) -> int:

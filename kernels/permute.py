@@ -362,7 +362,12 @@ def _permute_op(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Opt
 @_permute_op.register_fake
 def _(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, impl):
     T, K = expert_ids_TK.shape
-    n = torch.library.get_ctx().new_dynamic_size() if capacity is None else num_experts * capacity
+    if capacity is not None:
+        n = num_experts * capacity
+    elif dropped_TK is None:  # dropless with nothing dropped: every route is a row (static)
+        n = T * K
+    else:
+        n = torch.library.get_ctx().new_dynamic_size()
     return (x_TD.new_empty(n, x_TD.shape[1]), x_TD.new_empty(num_experts, dtype=torch.int64),
             x_TD.new_empty(T, K, dtype=torch.int64))
 

@@ -451,12 +451,23 @@ class GroupedExperts(nn.Module):
         """``y_ND [N, D]``: row block e (``tokens_per_expert[e]`` rows, expert-major) through
         local expert e. ``tokens_per_expert``: [E] int64 tensor (best on the CPU) or a list.
         With ``etp_size > 1`` the result is this rank's partial sum and excludes b2."""
+        params = (self.w1, self.w2, self.w3, self.b1, self.b2 if self.etp_size == 1 else None, self.b3)
+        dev = x_ND.device.type
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.w1.dtype:
+            # Under autocast the GEMMs run in the autocast dtype (master weights stay fp32;
+            # the casts are differentiable), as nn.Linear would.
+            dt = torch.get_autocast_dtype(dev)
+            x_ND = x_ND.to(dt)
+            params = tuple(None if p is None else p.to(dt) for p in params)
+            with torch.autocast(dev, enabled=False):
+                return self._run(x_ND, tokens_per_expert, params)
         self._check_input(x_ND)
+        return self._run(x_ND, tokens_per_expert, params)
+
+    def _run(self, x_ND, tokens_per_expert, params) -> torch.Tensor:
         counts = self._counts(tokens_per_expert, x_ND)
         path = self.resolve_gemm_path(x_ND, counts)
-        b2 = self.b2 if self.etp_size == 1 else None
-        return _ExpertsFunction.apply(x_ND, self.w1, self.w2, self.w3, self.b1, b2, self.b3,
-                                      counts, path, self.activation)
+        return _ExpertsFunction.apply(x_ND, *params, counts, path, self.activation)
 
     def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """``y_ND`` plus b2 on each expert's row block (a no-op without bias). For the

@@ -185,8 +185,10 @@ class MoE(nn.Module):
         self._stats.comm.reset()
         routing = self.router(x_TD, stats_group=self._aux_group())
         capacity = routing.capacity if self.pad_to_capacity else None
-        x_local, meta = self.dispatcher.dispatch(x_TD, routing.expert_ids, routing.dropped,
-                                                 routing.weights, capacity)
+        # Dropless routing drops nothing: passing no mask keeps the row count static (T*K),
+        # which torch.compile can trace without a data-dependent shape.
+        dropped = routing.dropped if routing.capacity is not None else None
+        x_local, meta = self.dispatcher.dispatch(x_TD, routing.expert_ids, dropped, routing.weights, capacity)
         if self.checkpoint_experts and torch.is_grad_enabled():
             y_local = torch.utils.checkpoint.checkpoint(self.experts, x_local, meta.tokens_per_local_expert,
                                                         use_reentrant=False)

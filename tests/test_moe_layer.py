@@ -1,0 +1,145 @@
+"""The MoE layer in one process against a slow per-token dense reference."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import moepar
+from moepar.moe.layer import MoE, aux_loss
+from moepar.parallel.groups import ParallelState
+
+D, FF, E = 8, 12, 4
+
+
+def _layer(**kw):
+    kw.setdefault("init_seed", 5)
+    kw.setdefault("ffn_hidden", FF)
+    return MoE(D, kw.pop("num_experts", E), k=kw.pop("k", 2), state=ParallelState.single(), **kw)
+
+
+def _act(h, h3, activation):
+    if activation == "swiglu":
+        return F.silu(h) * h3
+    return F.gelu(h) if activation == "gelu" else F.relu(h)
+
+
+def _dense_reference(moe, x_TD):
+    """Each token through each of its routes' experts, one at a time, weighted."""
+    r = moe.router(x_TD)
+    ex = moe.experts
+    out = []
+    for t in range(x_TD.shape[0]):
+        acc = torch.zeros(D, dtype=x_TD.dtype)
+        for j in range(r.expert_ids.shape[1]):
+            if r.dropped[t, j]:
+                continue
+            e = int(r.expert_ids[t, j])
+            h = x_TD[t] @ ex.w1[e] + (ex.b1[e] if ex.b1 is not None else 0)
+            h3 = x_TD[t] @ ex.w3[e] + (ex.b3[e] if ex.b3 is not None else 0) if ex.w3 is not None else None
+            y = _act(h, h3, ex.activation) @ ex.w2[e] + (ex.b2[e] if ex.b2 is not None else 0)
+            acc = acc + r.weights[t, j] * y
+        out.append(acc)
+    y = torch.stack(out) if out else x_TD.new_zeros(0, D)
+    if moe.shared is not None:
+        y = y + moe.shared(x_TD)
+    return y
+
+
+@pytest.mark.parametrize("activation,bias,shared,k,cf", [
+    ("gelu", False, 0, 2, None), ("swiglu", True, 0, 1, None), ("relu", True, 1, 2, None),
+    ("gelu", True, 0, 2, 0.5), ("swiglu", False, 1, 3, None)])
+def test_layer_equals_per_token_reference_forward_and_backward(activation, bias, shared, k, cf):
+    torch.manual_seed(0)
+    moe = _layer(activation=activation, bias=bias, num_shared_experts=shared, k=k, capacity_factor=cf,
+                 min_capacity=1)
+    x = torch.randn(2, 7, D, requires_grad=True)  # any leading shape
+    g = torch.randn(2, 7, D)
+    y = moe(x)
+    assert y.shape == x.shape
+    (y * g).sum().backward()
+    got = {n: p.grad.clone() for n, p in moe.named_parameters()}
+    gx = x.grad.clone()
+    moe.zero_grad()
+    x.grad = None
+    y_ref = _dense_reference(moe, x.reshape(-1, D)).reshape(x.shape)
+    (y_ref * g).sum().backward()
+    assert torch.allclose(y, y_ref, atol=1e-5)
+    assert torch.allclose(gx, x.grad, atol=1e-5)
+    for n, p in moe.named_parameters():
+        assert torch.allclose(got[n], p.grad, atol=1e-5), n
+    if cf is not None:
+        assert moe.stats.dropped_fraction > 0
+
+
+def test_stats_and_aux_loss_of_several_layers():
+    a, b = _layer(init_seed=1), _layer(init_seed=2, z_loss_coeff=0.1)
+    model = torch.nn.Sequential(a, b)
+    x = torch.randn(9, D)
+    model(x)
+    total = aux_loss(model)
+    assert torch.allclose(total, a.aux_loss + a.z_loss + b.aux_loss + b.z_loss)
+    assert b.z_loss > 0 and a.aux_loss > 0
+    assert int(a.stats.tokens_per_expert.sum()) == 9 * 2 and a.stats.dropped_fraction == 0.0
+    assert a.stats.comm.events == []  # one process: no collectives at all
+    assert float(moepar.aux_loss(torch.nn.Linear(2, 2))) == 0.0
+
+
+def test_single_token_and_empty_batch():
+    moe = _layer()
+    for shape in [(1, D), (0, D), (3, 0, D)]:
+        x = torch.randn(*shape, requires_grad=True)
+        y = moe(x)
+        assert y.shape == x.shape
+        y.sum().backward()
+
+
+def test_checkpoint_experts_gives_the_same_gradients():
+    x = torch.randn(11, D)
+    grads = []
+    for ckpt in (False, True):
+        moe = _layer(checkpoint_experts=ckpt, bias=True)
+        xx = x.clone().requires_grad_()
+        (moe(xx) ** 2).sum().backward()
+        grads.append([xx.grad] + [p.grad for p in moe.parameters()])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_bf16_layer():
+    moe = _layer(dtype=torch.bfloat16)
+    x = torch.randn(16, D)
+    y = moe(x.bfloat16())
+    assert y.dtype == torch.bfloat16
+    ref = _layer()
+    ref.load_state_dict({k: v.float() for k, v in moe.state_dict().items()})
+    assert torch.allclose(y.float(), ref(x), atol=5e-2, rtol=5e-2)
+
+
+def test_torch_compile_forward_backward_matches_eager():
+    moe = _layer(bias=True)
+    x = torch.randn(10, D)
+    xe = x.clone().requires_grad_()
+    ye = moe(xe)
+    ye.sum().backward()
+    ge = [p.grad.clone() for p in moe.parameters()]
+    moe.zero_grad()
+    compiled = torch.compile(moe, backend="aot_eager")
+    xc = x.clone().requires_grad_()
+    yc = compiled(xc)
+    yc.sum().backward()
+    assert torch.allclose(ye, yc, atol=1e-6) and torch.allclose(xe.grad, xc.grad, atol=1e-6)
+    for a, p in zip(ge, moe.parameters()):
+        assert torch.allclose(a, p.grad, atol=1e-6)
+
+
+def test_bad_inputs_single_process():
+    with pytest.raises(ValueError, match="k=5"):
+        _layer(k=5)
+    with pytest.raises(ValueError, match="ep_size=2 does not match"):
+        MoE(D, 4, 2, state=ParallelState.single())
+    moe = _layer()
+    with pytest.raises(ValueError, match="hidden=8"):
+        moe(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="floating-point"):
+        moe(torch.ones(3, D, dtype=torch.long))
+    with pytest.raises(ValueError, match="aux_loss_scope"):
+        _layer(aux_loss_scope="everywhere")
