@@ -252,6 +252,7 @@ def _validate(a: argparse.Namespace) -> int:
     from .report import markdown_table
     from .calibrate import pinned_to_core
     from .validate import format_validation, run_validation, validation_json
+    from . import validate_moe  # noqa: F401  (registers the MoE dispatch rows)
     hw = load_profile(a.profile)
     created = not (dist.is_available() and dist.is_initialized())
     with pinned_to_core(not a.no_pin):

@@ -1,0 +1,58 @@
+"""Validation rows for the real MoE layer's dispatch (``python -m moepar validate``).
+
+Each row times ``Dispatcher.dispatch`` + ``combine`` (forward: the counts all-to-all, the
+token all-to-all and the one back, plus the local permute/regroup/unpermute they need) on
+an EP group of n ranks with uniform random top-k routing, and compares it with what the
+cost model prices for the same layer: the counts all-to-all (ep·(E/ep+4)·8 bytes) and two
+token all-to-alls of R·D·b. The model prices communication only, so the local work is
+the expected gap; rows carry op "moe_dispatch" to keep their error apart from the plain
+collectives' medians.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..moe.dispatcher import Dispatcher
+from .validate import Row, ValidationContext, register_row_source
+
+CASES = ((1024, 256), (4096, 256), (2048, 1024), (8192, 512))   # (T tokens per rank, D)
+QUICK_CASES = ((256, 64), (512, 128))
+TOPK, LOCAL_EXPERTS = 2, 2
+
+
+def _routing(T: int, E: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(E, generator=gen)[:TOPK] for _ in range(T)]) if T else \
+        torch.zeros(0, TOPK, dtype=torch.long)
+
+
+def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
+    rank = torch.distributed.get_rank()
+    fns, cases = [], []
+    for n in ctx.group_sizes:
+        E = LOCAL_EXPERTS * n
+        disp = Dispatcher(E, ep_group=ctx.groups[n])
+        for T, D in (QUICK_CASES if ctx.quick else CASES):
+            x = torch.randn(T, D, dtype=ctx.dtype, device=ctx.device)
+            ids = _routing(T, E, seed=1000 * rank + T + D).to(ctx.device)
+            w = torch.full((T, TOPK), 1.0 / TOPK, device=ctx.device)
+
+            def fn(disp=disp, x=x, ids=ids, w=w):
+                with torch.no_grad():
+                    x_local, meta = disp.dispatch(x, ids, None, w)
+                    return disp.combine(x_local, meta)
+            fns.append(fn)
+            cases.append((n, T, D, E))
+    measured = ctx.time_many(fns)
+    rows = []
+    elem = ctx.bufs.elem
+    for (n, T, D, E), m in zip(cases, measured):
+        counts_bytes = n * (E // n + 4) * 8
+        token_bytes = T * TOPK * D * elem
+        pred = ctx.predict("all_to_all", n, counts_bytes)[0] + 2 * ctx.predict("all_to_all", n, token_bytes)[0]
+        rows.append(Row("moe-dispatch", f"n={n} T={T} D={D} K={TOPK} E={E}", "moe_dispatch", n,
+                        token_bytes, pred, m))
+    return rows
+
+
+register_row_source(moe_dispatch_rows)
