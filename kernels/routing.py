@@ -286,17 +286,38 @@ def _sanitize(key_TE: torch.Tensor) -> torch.Tensor:
 
 
 def _topk_lowest_index(key_TE: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k ids, equal keys broken toward the lower index: k rounds of argmax (which
-    returns the first maximal index) on a copy whose taken entries become -inf (valid
-    keys are finite or +inf, never -inf). Cheaper than a stable sort for small k."""
-    key_TE = key_TE.clone()
-    ids = []
-    for j in range(k):
-        idx_T1 = key_TE.argmax(dim=-1, keepdim=True)
-        ids.append(idx_T1)
-        if j + 1 < k:
-            key_TE.scatter_(1, idx_T1, float("-inf"))
-    return torch.cat(ids, dim=1)
+    """Top-k ids in descending key order, equal keys broken toward the lower index.
+
+    One ``torch.topk`` of k+1 columns; its order among equal keys is unspecified, so the
+    rows where two of the k+1 largest keys are equal (the only rows where ties can change
+    the selection or its order) are redone with a stable descending sort, which keeps
+    index order among equal keys. Keys are never NaN (callers sanitise them)."""
+    T, E = key_TE.shape
+    vals, ids = torch.topk(key_TE, min(k + 1, E), dim=-1)
+    ids = ids[:, :k]
+    if vals.shape[1] < 2 or T == 0:
+        return ids
+    tie_T = (vals[:, 1:] == vals[:, :-1]).any(dim=-1)
+    if key_TE.device.type == "cpu":   # host reads are free here: redo only the tied rows
+        rows = tie_T.nonzero().flatten()
+        if rows.numel():
+            ids[rows] = torch.sort(key_TE[rows], dim=-1, descending=True, stable=True).indices[:, :k]
+        return ids
+    stable = torch.sort(key_TE, dim=-1, descending=True, stable=True).indices[:, :k]
+    return torch.where(tie_T[:, None], stable, ids)
+
+
+def nonfinite_rows(x_TE: torch.Tensor) -> torch.Tensor:
+    """[T] bool: rows holding a NaN or an infinity. On the CPU a row sum flags candidate
+    rows in one pass (a non-finite element makes the sum non-finite; a finite row whose sum
+    overflows is re-checked exactly), instead of the three passes of ``isfinite().all()``."""
+    if x_TE.device.type != "cpu":
+        return ~torch.isfinite(x_TE).all(dim=-1)
+    bad_T = ~torch.isfinite(x_TE.sum(dim=-1))
+    rows = bad_T.nonzero().flatten()
+    if rows.numel():
+        bad_T[rows] = ~torch.isfinite(x_TE[rows]).all(dim=-1)
+    return bad_T
 
 
 def _group_mask(aff_TE: torch.Tensor, k: int, num_groups: int, topk_groups: int) -> torch.Tensor:
@@ -315,26 +336,39 @@ def _group_mask(aff_TE: torch.Tensor, k: int, num_groups: int, topk_groups: int)
 def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
                       expert_bias_E: Optional[torch.Tensor] = None, normalize: bool = False,
                       scaling_factor: float = 1.0, *, num_groups: int | None = None,
-                      topk_groups: int | None = None, selection_noise_TE: Optional[torch.Tensor] = None
+                      topk_groups: int | None = None, selection_noise_TE: Optional[torch.Tensor] = None,
+                      scores_TE: Optional[torch.Tensor] = None, bad_T: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch routing with the kernel's semantics (autograd through the weights).
 
     Reference-only extras (the router's CPU path): group-limited selection
     (``num_groups``/``topk_groups``) and ``selection_noise_TE`` added to the logits used
     for selection only (Gumbel "rsample" noise); the weights use the clean logits.
+    A caller that already has them may pass ``scores_TE`` (softmax or sigmoid of the fp32
+    logits, in the autograd graph; not for softmax_after_topk) and ``bad_T`` (the rows with a
+    non-finite logit) to save recomputing them.
     """
     _check(logits_TE, k, score_func, expert_bias_E)
     x = logits_TE.float()
     T, E = x.shape
-    bad_T = ~torch.isfinite(x).all(dim=-1)
+    bad_T = nonfinite_rows(x) if bad_T is None else bad_T
+    # On the CPU the host knows for free whether any row is bad; elsewhere assume some are.
+    any_bad = x.device.type != "cpu" or bool(bad_T.any())
     xs = x if selection_noise_TE is None else x + selection_noise_TE.float()
+    if scores_TE is None and score_func != "softmax_after_topk":
+        scores_TE = _scores(x, score_func)
     if expert_bias_E is not None or num_groups is not None:
-        aff = xs if score_func == "softmax_after_topk" else _scores(xs, score_func)
+        aff = xs if score_func == "softmax_after_topk" else (
+            scores_TE if selection_noise_TE is None else _scores(xs, score_func))
+        aff = aff.detach()
         if expert_bias_E is not None:
             aff = aff + expert_bias_E.float()
-        aff = _sanitize(torch.where(bad_T[:, None], torch.zeros_like(aff), aff))
+        aff = _sanitize(torch.where(bad_T[:, None], torch.zeros_like(aff), aff) if any_bad else aff)
     # Bad rows: all keys equal, so they take experts 0..K-1 (their weights become NaN).
-    key = torch.where(bad_T[:, None], torch.zeros_like(xs), xs) if expert_bias_E is None else aff
+    if expert_bias_E is None:
+        key = torch.where(bad_T[:, None], torch.zeros_like(xs), xs) if any_bad else xs
+    else:
+        key = aff
     if num_groups is not None:
         keep = _group_mask(aff, k, num_groups, topk_groups if topk_groups is not None else num_groups)
         key = torch.where(keep, key, torch.full_like(key, float("-inf")))
@@ -342,11 +376,11 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
     if score_func == "softmax_after_topk":
         w = torch.softmax(x.gather(1, ids_TK), dim=-1)
     else:
-        w = _scores(x, score_func).gather(1, ids_TK)
+        w = scores_TE.gather(1, ids_TK)
         if normalize:
             w = w / (w.sum(-1, keepdim=True) + _NORM_EPS)
     w = w * scaling_factor
-    w = torch.where(bad_T[:, None], torch.full_like(w, float("nan")), w)
-    hist_E = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
-        0, ids_TK.reshape(-1), torch.ones(T * k, dtype=torch.int64, device=x.device))
+    if any_bad:
+        w = torch.where(bad_T[:, None], torch.full_like(w, float("nan")), w)
+    hist_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
     return ids_TK, w, hist_E

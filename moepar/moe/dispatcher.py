@@ -183,7 +183,7 @@ class Dispatcher:
             etp_sizes = mats.view(self.etp, P * L).sum(1).tolist()
             x_recv = comm.gather_from_sequence_region(x_recv, self.etp_group, 0, etp_sizes, stats=self.stats)
         regroup = None
-        if counts_SL.shape[0] > 1:
+        if counts_SL.shape[0] > 1 and L > 1:   # one local expert: source-major is expert-major
             regroup = _regroup_index(counts_SL, x_recv.device)
             x_recv = _PermuteRows.apply(x_recv, *regroup)
         meta = DispatchMeta(T, row_map, weights_TK, send, recv_, etp_sizes, regroup,

@@ -11,7 +11,8 @@ Expert FFN: ``y = act(x @ w1 + b1) @ w2 + b2``; swiglu: ``(silu(x@w1+b1) * (x@w3
 
 The forward and backward are one autograd Function that calls the GEMMs directly (no
 per-expert autograd graph, no ``torch.cat``, outputs written in place into one buffer),
-through one of three GEMM paths, all giving the same numbers within float rounding:
+through one of three GEMM paths (in ``moepar/moe/gemm.py``), all giving the same numbers
+within float rounding:
 
 * ``"loop"``: a Python loop of ``mm``/``addmm`` with ``out=`` slices of one buffer;
 * ``"grouped_mm"``: ``torch.nn.functional.grouped_mm`` (CPU; CUDA with sm >= 90, bf16),
@@ -21,6 +22,11 @@ through one of three GEMM paths, all giving the same numbers within float roundi
 
 ``gemm_path="auto"`` picks per device, dtype and shape from the table in
 ``choose_gemm_path`` (measured, see docs/local.md).
+
+Experts run in segments of consecutive experts whose [rows, F] intermediates stay under
+``SEGMENT_BYTES`` (heap-sized buffers, no fresh page faults at every call); backward walks
+the segments last-first, freeing each as it goes, and gelu/swiglu recompute their output
+from the saved pre-activation instead of storing it (docs/bench.md has the measurements).
 """
 from __future__ import annotations
 
@@ -31,8 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .gemm import GEMM_PATHS, choose_gemm_path, make_gemm, path_supported  # noqa: F401 (re-exported)
 
-GEMM_PATHS = ("auto", "grouped_mm", "loop", "bmm")
 
 ACTIVATIONS = ("gelu", "swiglu", "relu")
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: spreads (seed, g) over the 64-bit space
@@ -46,263 +52,132 @@ def _expert_seed(init_seed: int, g: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-# ---- GEMM paths ------------------------------------------------------------------------------
-# Each path computes, per expert e on its row block: fwd x_e @ w_e (+ b_e), dgrad g_e @ w_e^T,
-# wgrad x_e^T @ g_e -> [E, A, B], bias_grad sum of g_e's rows -> [E, B]. pad/unpad move rows
-# between the caller's ragged layout and the path's own (only bmm over ragged rows differs).
-
-class _LoopGemm:
-    """One mm/addmm per non-empty expert, written into slices of one output buffer."""
-
-    def __init__(self, counts: Sequence[int]):
-        self.E, self.N = len(counts), sum(counts)
-        starts = [0]
-        for c in counts[:-1]:
-            starts.append(starts[-1] + c)
-        self.segs = [(e, s, c) for e, (s, c) in enumerate(zip(starts, counts)) if c > 0]
-        self.empty = [e for e, c in enumerate(counts) if c == 0]
-
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        return x
-
-    def unpad(self, y: torch.Tensor) -> torch.Tensor:
-        return y
-
-    def fwd(self, x, w, b=None):
-        out = x.new_empty(self.N, w.shape[2])
-        for e, s, c in self.segs:
-            if b is None:
-                torch.mm(x[s:s + c], w[e], out=out[s:s + c])
-            else:
-                torch.addmm(b[e], x[s:s + c], w[e], out=out[s:s + c])
-        return out
-
-    def dgrad(self, g, w, out=None):
-        """g_e @ w_e^T; accumulates into ``out`` when given."""
-        if out is None:
-            out = g.new_empty(self.N, w.shape[1])
-            for e, s, c in self.segs:
-                torch.mm(g[s:s + c], w[e].t(), out=out[s:s + c])
-        else:
-            for e, s, c in self.segs:
-                out[s:s + c].addmm_(g[s:s + c], w[e].t())
-        return out
-
-    def wgrad(self, x, g):
-        out = x.new_empty(self.E, x.shape[1], g.shape[1])
-        for e, s, c in self.segs:
-            torch.mm(x[s:s + c].t(), g[s:s + c], out=out[e])
-        for e in self.empty:
-            out[e].zero_()
-        return out
-
-    def bias_grad(self, g):
-        out = g.new_empty(self.E, g.shape[1])
-        for e, s, c in self.segs:
-            torch.sum(g[s:s + c], 0, out=out[e])
-        for e in self.empty:
-            out[e].zero_()
-        return out
+# Experts run in segments of consecutive experts whose [rows, F] intermediates stay under
+# this many bytes (an expert larger than that is a segment of its own). Buffers below
+# glibc's mmap threshold (dynamic, at most 32 MiB) are reused from the heap; larger ones are
+# mapped afresh and every page faults on first touch at every call (~1.4 us a 4 KiB page
+# here: 11 ms for one 32 MiB buffer). Measured in docs/bench.md.
+SEGMENT_BYTES = 8 << 20
 
 
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """grouped_mm wants 16-byte aligned storage (a view at an odd offset is copied)."""
-    t = t if t.is_contiguous() else t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
-class _GroupedMMGemm(_LoopGemm):
-    """torch.nn.functional.grouped_mm with int32 end offsets; bias adds and bias grads
-    stay per-expert slices (E small elementwise ops)."""
-
-    def __init__(self, counts: Sequence[int], device: torch.device):
-        super().__init__(counts)
-        ends, acc = [], 0
-        for c in counts:
-            acc += c
-            ends.append(acc)
-        self.offs = torch.tensor(ends, dtype=torch.int32, device=device)
-
-    def fwd(self, x, w, b=None):
-        out = F.grouped_mm(_aligned(x), w, offs=self.offs)
-        if b is not None:
-            for e, s, c in self.segs:
-                out[s:s + c].add_(b[e])
-        return out
-
-    def dgrad(self, g, w, out=None):
-        r = F.grouped_mm(_aligned(g), w.transpose(1, 2), offs=self.offs)
-        return r if out is None else out.add_(r)
-
-    def wgrad(self, x, g):
-        return F.grouped_mm(_aligned(x).t(), _aligned(g), offs=self.offs)
-
-
-class _BmmGemm:
-    """Rows in E equal blocks of C (the largest count), one bmm per GEMM. Padding rows
-    are zero on the way in and their gradient is zero on the way back, so they add
-    nothing to any weight or bias gradient."""
-
-    def __init__(self, counts: Sequence[int], device: torch.device):
-        self.E, self.N = len(counts), sum(counts)
-        self.C = max(counts, default=0)
-        self.uniform = all(c == self.C for c in counts)
-        self.dest = None
-        if not self.uniform:  # row n of expert e (start s_e) goes to e*C + (n - s_e)
-            cnt = torch.tensor(list(counts), dtype=torch.int64)
-            shift = torch.arange(self.E, dtype=torch.int64) * self.C - (torch.cumsum(cnt, 0) - cnt)
-            self.dest = (torch.arange(self.N) + torch.repeat_interleave(shift, cnt, output_size=self.N)).to(device)
-
-    def pad(self, x):
-        if self.uniform:
-            return x
-        return x.new_zeros(self.E * self.C, x.shape[1]).index_copy_(0, self.dest, x)
-
-    def unpad(self, y):
-        return y if self.uniform else y.index_select(0, self.dest)
-
-    def _3d(self, t):
-        return t.view(self.E, self.C, t.shape[-1])
-
-    def fwd(self, x, w, b=None):
-        x3 = self._3d(x)
-        out = torch.bmm(x3, w) if b is None else torch.baddbmm(b[:, None, :], x3, w)
-        return out.view(self.E * self.C, w.shape[2])
-
-    def dgrad(self, g, w, out=None):
-        if out is None:
-            return torch.bmm(self._3d(g), w.transpose(1, 2)).view(self.E * self.C, w.shape[1])
-        self._3d(out).baddbmm_(self._3d(g), w.transpose(1, 2))
-        return out
-
-    def wgrad(self, x, g):
-        return torch.bmm(self._3d(x).transpose(1, 2), self._3d(g))
-
-    def bias_grad(self, g):
-        return self._3d(g).sum(1)
-
-
-def make_gemm(path: str, counts: Sequence[int], device: torch.device):
-    if path == "loop" or sum(counts) == 0:   # no rows: every path gives zeros, the loop cheapest
-        return _LoopGemm(counts)
-    if path == "grouped_mm":
-        return _GroupedMMGemm(counts, device)
-    if path == "bmm":
-        return _BmmGemm(counts, device)
-    raise ValueError(f"gemm path {path!r} must be one of {GEMM_PATHS[1:]}")
-
-
-def path_supported(path: str, device: torch.device, dtype: torch.dtype, D: int, Fl: int) -> tuple[bool, str]:
-    """(available, why not) for an explicit path on this device/dtype/shape."""
-    if path != "grouped_mm":
-        return True, ""
-    if not hasattr(F, "grouped_mm"):
-        return False, f"torch {torch.__version__} has no torch.nn.functional.grouped_mm"
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False, f"grouped_mm takes float32, bfloat16 or float16, not {dtype}"
-    item = torch.empty((), dtype=dtype).element_size()
-    if (D * item) % 16 or (Fl * item) % 16:
-        return False, (f"grouped_mm needs rows of a multiple of 16 bytes: hidden={D} and ffn slice={Fl} "
-                       f"times {item} bytes ({dtype})")
-    if device.type == "cuda":
-        major, _ = torch.cuda.get_device_capability(device)
-        if major < 9 or dtype != torch.bfloat16:
-            return False, f"grouped_mm on CUDA is used for bf16 on sm >= 90 (got sm{major}x, {dtype})"
-    elif device.type != "cpu":
-        return False, f"grouped_mm is not wired for device type {device.type!r}"
-    return True, ""
-
-
-# CPU rule, from `python -m moepar bench local --sweep` (docs/local.md, fp32, 2 threads):
-# small blocks favour one bmm (a few hundred tiny mm calls cost more than the padding);
-# larger ones grouped_mm when there are many experts (its loop over them is in C++: 1.5-22%
-# ahead of the Python loop at E=64), else a Python loop of mm (1-9% ahead of grouped_mm at
-# E=8 with big GEMMs in most runs).
-_BMM_MAX_MEAN_ROWS = 128
-_BMM_MAX_PAD = 2.0       # largest block / mean block: the padding bmm computes for nothing
-_GROUPED_MM_MIN_EXPERTS = 32
-
-
-def choose_gemm_path(device: torch.device, dtype: torch.dtype, counts: Sequence[int], D: int, Fl: int) -> str:
-    """The "auto" choice for these rows (deterministic: a function of the counts and shapes).
-
-    CPU: "bmm" when the blocks are equal (capacity mode) or small (mean <= 128 rows and
-    max/mean <= 2), else "grouped_mm" for 32 experts or more (when the rows allow it),
-    else "loop". CUDA: "grouped_mm" for bf16 on sm >= 90 with aligned
-    rows, else "loop" (not measured here: no GPU on the development machines)."""
-    N, E = sum(counts), len(counts)
-    if N == 0:
-        return "loop"
-    if device.type == "cuda":
-        ok, _ = path_supported("grouped_mm", device, dtype, D, Fl)
-        return "grouped_mm" if ok else "loop"
-    biggest, mean = max(counts), N / E
-    if biggest * E == N or (mean <= _BMM_MAX_MEAN_ROWS and biggest <= _BMM_MAX_PAD * mean):
-        return "bmm"
-    if E >= _GROUPED_MM_MIN_EXPERTS and path_supported("grouped_mm", device, dtype, D, Fl)[0]:
-        return "grouped_mm"
-    return "loop"
+def _segments(counts: Sequence[int], row_bytes: int) -> list[tuple[int, int, int, int]]:
+    """(first expert, end expert, first row, end row) of each segment."""
+    segs, e0, r0, rows = [], 0, 0, 0
+    for e, c in enumerate(counts):
+        if e > e0 and (rows + c) * row_bytes > SEGMENT_BYTES:
+            segs.append((e0, e, r0, r0 + rows))
+            e0, r0, rows = e, r0 + rows, 0
+        rows += c
+    segs.append((e0, len(counts), r0, r0 + rows))
+    return segs
 
 
 class _ExpertsFunction(torch.autograd.Function):
-    """All local experts' FFN, forward and backward, on ragged expert-major rows."""
+    """All local experts' FFN, forward and backward, on ragged expert-major rows, one
+    segment of experts at a time (see ``SEGMENT_BYTES``): the [rows, F] intermediates are
+    per segment, the outputs and gradients are written into slices of whole buffers.
+    Only the pre-activations are kept for backward (gelu/swiglu recompute their output
+    there, one elementwise pass; relu keeps its in-place output): half the [N, F] memory."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, w3, b1, b2, b3, counts, path, activation):
-        gemm = make_gemm(path, counts, x.device)
-        xg = gemm.pad(x)                       # [N', D]: x itself except for bmm over ragged rows
-        h1 = gemm.fwd(xg, w1, b1)              # [N', F]
-        h3 = None
-        if activation == "swiglu":
-            h3 = gemm.fwd(xg, w3, b3)
-            a = F.silu(h1).mul_(h3)
-        elif activation == "gelu":
-            a = F.gelu(h1)
-        else:  # relu in place: the backward only needs the output's sign
-            a = h1.relu_()
-            h1 = None
-        y = gemm.unpad(gemm.fwd(a, w2, b2))    # [N, D]
-        ctx.save_for_backward(xg, w1, w2, w3, h1, h3, a)
-        ctx.gemm, ctx.activation = gemm, activation
+        y = x.new_empty(x.shape[0], w2.shape[2])
+        saved = []
+        for e0, e1, r0, r1 in _segments(counts, w1.shape[2] * x.element_size()):
+            sl = slice(e0, e1)
+            gemm = make_gemm(path, counts[sl], x.device)
+            xg = gemm.pad(x[r0:r1])                      # [n', D]: a view except for padded bmm
+            h1 = gemm.fwd(xg, w1[sl], _part(b1, sl))     # [n', F]
+            h3 = None
+            if activation == "swiglu":
+                h3 = gemm.fwd(xg, w3[sl], _part(b3, sl))
+                a = F.silu(h1).mul_(h3)
+            elif activation == "gelu":
+                a = F.gelu(h1)
+            else:  # relu in place: the backward only needs the output's sign
+                a = h1.relu_()
+                h1 = None
+            if gemm.same_layout:
+                gemm.fwd(a, w2[sl], _part(b2, sl), out=y[r0:r1])
+            else:
+                torch.index_select(gemm.fwd(a, w2[sl], _part(b2, sl)), 0, gemm.dest, out=y[r0:r1])
+            saved.append((e0, e1, r0, r1, gemm, xg, h1, h3, a if activation == "relu" else None))
+            del a
+        ctx.save_for_backward(w1, w2, w3)
+        ctx.segments, ctx.activation = saved, activation
         ctx.has_b = (b1 is not None, b2 is not None, b3 is not None)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        xg, w1, w2, w3, h1, h3, a = ctx.saved_tensors
-        gemm, act = ctx.gemm, ctx.activation
-        need = ctx.needs_input_grad
-        gyg = gemm.pad(gy.contiguous())
-        gx = gw1 = gw2 = gw3 = gb1 = gb2 = gb3 = None
-        if need[2]:
-            gw2 = gemm.wgrad(a, gyg)
-        if ctx.has_b[1] and need[5]:
-            gb2 = gemm.bias_grad(gyg)
-        ga = gemm.dgrad(gyg, w2)               # [N', F]
-        del gyg
-        gh3 = None
-        if act == "swiglu":
-            gh3 = F.silu(h1).mul_(ga)          # d/dh3 of silu(h1) * h3
-            gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3), h1, grad_input=ga)
-        elif act == "gelu":
-            gh1 = torch.ops.aten.gelu_backward.grad_input(ga, h1, grad_input=ga)
-        else:
-            gh1 = torch.ops.aten.threshold_backward.grad_input(ga, a, 0, grad_input=ga)
-        if need[0]:
-            gx = gemm.dgrad(gh1, w1)
+        w1, w2, w3 = ctx.saved_tensors
+        act, need = ctx.activation, ctx.needs_input_grad
+        gy = gy.contiguous()
+        # Whole gradient buffers, each segment writes its slice.
+        # gx is allocated after the first (last) segment is done and freed, from its memory;
+        # that segment's rows wait in a small temporary meanwhile.
+        gx, gx_first = None, None
+        gw1, gw2 = (torch.empty_like(w) if need[i] else None for i, w in ((1, w1), (2, w2)))
+        gw3 = torch.empty_like(w3) if w3 is not None and need[3] else None
+        has_b = ctx.has_b
+        gb1 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b[0] and need[4] else None
+        gb2 = w2.new_empty(w2.shape[0], w2.shape[2]) if has_b[1] and need[5] else None
+        gb3 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b[2] and need[6] else None
+        segments, ctx.segments = ctx.segments, None
+        while segments:
+            # Last segment first, each freed once done: its intermediates, the most recently
+            # allocated, are returned before the gradients grow (lower peak memory).
+            e0, e1, r0, r1, gemm, xg, h1, h3, a = segments.pop()
+            sl = slice(e0, e1)
+            gyg = gemm.pad(gy[r0:r1])
+            if a is None:   # recompute the activation's output (gw2 needs it)
+                a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
+            if gw2 is not None:
+                gemm.wgrad(a, gyg, out=gw2[sl])
+            if gb2 is not None:
+                gemm.bias_grad(gyg, out=gb2[sl])
+            if act != "relu":
+                del a                                     # ga below can take its place
+            ga = gemm.dgrad(gyg, w2[sl])                  # [n', F]
+            del gyg
+            gh3 = None
+            if act == "swiglu":
+                gh3 = F.silu(h1).mul_(ga)                 # d/dh3 of silu(h1) * h3
+                gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3), h1, grad_input=ga)
+            elif act == "gelu":
+                gh1 = torch.ops.aten.gelu_backward.grad_input(ga, h1, grad_input=ga)
+            else:
+                gh1 = torch.ops.aten.threshold_backward.grad_input(ga, a, 0, grad_input=ga)
+                del a
+            del h1, h3
+            if need[0]:
+                dst = gx[r0:r1] if gemm.same_layout and gx is not None else None
+                dst = gemm.dgrad(gh1, w1[sl], out=dst)
+                if gh3 is not None:
+                    gemm.dgrad(gh3, w3[sl], out=dst, acc=True)
+                if gx is None:
+                    gx_first = (r0, r1, gemm.unpad(dst))
+                elif not gemm.same_layout:
+                    torch.index_select(dst, 0, gemm.dest, out=gx[r0:r1])
+            if gw1 is not None:
+                gemm.wgrad(xg, gh1, out=gw1[sl])
+            if gb1 is not None:
+                gemm.bias_grad(gh1, out=gb1[sl])
             if gh3 is not None:
-                gemm.dgrad(gh3, w3, out=gx)    # accumulate
-            gx = gemm.unpad(gx)
-        if need[1]:
-            gw1 = gemm.wgrad(xg, gh1)
-        if ctx.has_b[0] and need[4]:
-            gb1 = gemm.bias_grad(gh1)
-        if gh3 is not None:
-            if need[3]:
-                gw3 = gemm.wgrad(xg, gh3)
-            if ctx.has_b[2] and need[6]:
-                gb3 = gemm.bias_grad(gh3)
+                if gw3 is not None:
+                    gemm.wgrad(xg, gh3, out=gw3[sl])
+                if gb3 is not None:
+                    gemm.bias_grad(gh3, out=gb3[sl])
+            del xg, ga, gh1, gh3
+            if gx_first is not None:
+                gx = gy.new_empty(gy.shape[0], w1.shape[1])
+                gx[gx_first[0]:gx_first[1]] = gx_first[2]
+                gx_first = None
         return gx, gw1, gw2, gw3, gb1, gb2, gb3, None, None, None
+
+
+def _part(b, sl):
+    return None if b is None else b[sl]
 
 
 class GroupedExperts(nn.Module):

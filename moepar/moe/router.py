@@ -301,7 +301,7 @@ class TopKRouter(nn.Module):
     def _route(self, logits_TE: torch.Tensor, stats_group) -> Routing:
         cfg = self.config
         T, E = logits_TE.shape
-        bad_T = ~torch.isfinite(logits_TE).all(dim=-1)
+        bad_T = _rk.nonfinite_rows(logits_TE)
         if cfg.nonfinite == "raise" and bool(bad_T.any()):
             first = int(bad_T.nonzero()[0, 0])
             raise ValueError(f"router logits are NaN or inf for {int(bad_T.sum())} of {T} tokens "
@@ -312,12 +312,14 @@ class TopKRouter(nn.Module):
             u = torch.rand_like(logits_TE).clamp_min(torch.finfo(torch.float32).tiny)
             noise_TE = -torch.log(-torch.log(u))
         args = (logits_TE, cfg.k, cfg.score_func, self.expert_bias, cfg.normalize, cfg.scaling_factor)
+        scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
         if noise_TE is None and self._use_kernel(logits_TE):
             ids_TK, w_TK, hist_E = _rk.routing(*args)
         else:
+            # The reference reuses the scores (one softmax, one backward through it) and bad_T.
             ids_TK, w_TK, hist_E = _rk.routing_reference(
-                *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, selection_noise_TE=noise_TE)
-        scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
+                *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, selection_noise_TE=noise_TE,
+                scores_TE=scores_TE if cfg.score_func != "softmax_after_topk" else None, bad_T=bad_T)
         capacity = cfg.capacity(T, self.training)
         if capacity is None:
             dropped_TK = torch.zeros_like(ids_TK, dtype=torch.bool)

@@ -1,0 +1,225 @@
+"""``torchrun --nproc_per_node=4 -m moepar bench dispatch``: the all-to-all dispatch of the MoE
+layer across processes, against the raw collective.
+
+Legend: T tokens per rank, D hidden, F ffn hidden, E experts, K top-k, L = E/ep local
+experts, S/R rows this rank sends/receives (its routes, its experts' rows).
+
+For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp = W/ep):
+
+* **dispatch + combine**: the real ``Dispatcher`` forward and backward with identity experts
+  (permute, the counts all-to-all, the token all-to-all S*D*b, the local regroup, the
+  inverse of each on the way back, the weighted unpermute; backward: 2 token all-to-alls,
+  gradients to x and to the routing weights), i.e. 4 token all-to-alls + 1 counts exchange;
+* **raw all-to-all**: ``dist.all_to_all_single`` of exactly the same splits and bytes, the
+  same 4 calls, on preallocated buffers (the pure cost of moving the tokens);
+* with ``--layer`` (default on), the whole layer step (router, dispatch, experts, combine,
+  forward + backward) with skewed routing (busiest expert 2.5x the mean load) against
+  DeepSpeed-MoE's step (drop_tokens=False, same weights) when deepspeed is importable.
+
+Each time is the slowest rank's (all-reduce MAX) per round, median over rounds; the
+candidates are interleaved round by round. Rank 0 prints the table (``--json``: one JSON
+object). Runs alone too (a world of one: only ep=1, no all-to-all).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from moepar.bench.common import format_table
+from moepar.bench.layer import parse_config, skew_input_shift, zipf_input_shift
+from moepar.bench.local import _machine, random_routes
+from moepar.bench.peers import DeepSpeedMoE, deepspeed_status
+from moepar.moe.layer import MoE
+from moepar.parallel import groups
+
+
+def _timed_rounds(fns: dict, rounds: int, warmup: int) -> dict[str, float]:
+    """Median over rounds of the slowest rank's seconds, candidates interleaved."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for r in range(warmup + rounds):
+        for name, fn in fns.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            t = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            if r >= warmup:
+                times[name].append(float(t))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> dict:
+    """Dispatcher forward + backward vs the same 4 raw all-to-alls, for one config shape."""
+    cfg = parse_config(cfg_name)
+    T, D, E, K = cfg.T, cfg.D, cfg.E, cfg.K
+    rank = dist.get_rank()
+    moe = MoE(D, E, ep, k=K, ffn_hidden=8, init_seed=1, state=state)   # only its dispatcher is used
+    disp = moe.dispatcher
+    ids, w = random_routes(T, E, K, "cpu", seed=100 + rank)
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(T, D, generator=gen).requires_grad_(True)
+    w = w.requires_grad_(True)
+    g = torch.randn(T, D, generator=gen)
+
+    def dispatch_combine():
+        x_local, meta = disp.dispatch(x, ids, None, w, None)
+        y = disp.combine(x_local, meta)                  # identity experts
+        return torch.autograd.grad(y, [x, w], g), y
+
+    (gx, gw), y = dispatch_combine()
+    # Identity experts: y = sum_k w * x, dy/dx = sum_k w, dy/dw = <g, x>.
+    ok = bool(torch.allclose(y, x * w.sum(1, keepdim=True), atol=1e-5)
+              and torch.allclose(gx, g * w.sum(1, keepdim=True), atol=1e-5)
+              and torch.allclose(gw, (g * x).sum(1, keepdim=True).expand_as(w), atol=1e-4))
+    _, meta = disp.dispatch(x.detach(), ids, None, w.detach(), None)
+    send, recv = list(meta.send_splits), list(meta.recv_splits)
+    S, R = sum(send), sum(recv)
+    group = state.ep_group
+    a_send, b_send = torch.randn(S, D), torch.empty(S, D)
+    a_recv, b_recv = torch.randn(R, D), torch.empty(R, D)
+
+    def raw():
+        dist.all_to_all_single(b_recv, a_send, recv, send, group=group)   # dispatch forward
+        dist.all_to_all_single(b_send, a_recv, send, recv, group=group)   # combine forward
+        dist.all_to_all_single(b_recv, a_send, recv, send, group=group)   # combine backward
+        dist.all_to_all_single(b_send, a_recv, send, recv, group=group)   # dispatch backward
+
+    secs = _timed_rounds({"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw},
+                         rounds, warmup)
+    nbytes = torch.tensor([2 * (S + R) * D * 4], dtype=torch.int64)
+    dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
+    ratio = secs["dispatch+combine"] / secs["raw all_to_all_single"]
+    return {"config": cfg_name, "ep": ep, "T": T, "D": D, "E": E, "K": K, "correct": ok,
+            "bytes_per_rank_max": int(nbytes), "dispatch_ms": secs["dispatch+combine"] * 1e3,
+            "raw_ms": secs["raw all_to_all_single"] * 1e3, "ratio": ratio}
+
+
+def bench_layer_step(cfg_name: str, ep: int, state, rounds: int, warmup: int, tokens: int | None) -> dict:
+    """moepar's whole layer step vs DeepSpeed's (drop_tokens=False) with skewed routing."""
+    cfg = parse_config(cfg_name)
+    T = tokens or cfg.T
+    rank = dist.get_rank()
+    moe = MoE(cfg.D, cfg.E, ep, k=cfg.K, ffn_hidden=cfg.F, init_seed=1, state=state)
+    gen = torch.Generator().manual_seed(1000 + rank)
+    x = torch.randn(T, cfg.D, generator=gen)
+    g = torch.randn(T, cfg.D, generator=gen)
+    if cfg.skew:
+        # One Zipf exponent for the whole world (the mean of the ranks' fits), same offsets.
+        _, s = skew_input_shift(moe.router.weight.detach(), x, cfg.K, cfg.skew)
+        s_all = torch.tensor([s], dtype=torch.float64)
+        dist.all_reduce(s_all)
+        x = x + zipf_input_shift(moe.router.weight.detach(), float(s_all) / dist.get_world_size())
+    x.requires_grad_(True)
+    one = torch.ones(())
+    with torch.no_grad():
+        counts = moe.router(x).tokens_per_expert.clone()
+    dist.all_reduce(counts)
+    load = float(counts.max() / counts.float().mean())
+
+    def step_of(mod):
+        params = [p for p in mod.parameters() if p.requires_grad]
+
+        def step():
+            out = mod(x)
+            y, aux = out if isinstance(out, tuple) else (out, mod.aux_loss)
+            torch.autograd.grad([y, aux], [x] + params, [g, one])
+        return step
+
+    fns = {"moepar MoE": step_of(moe)}
+    ds_ok, ds_why = deepspeed_status()
+    if ds_ok:
+        fns["DeepSpeed-MoE"] = step_of(DeepSpeedMoE(moe, drop_tokens=False))
+    secs = _timed_rounds(fns, rounds, warmup)
+    out = {"config": cfg_name, "ep": ep, "T": T, "load_max_over_mean": load, "deepspeed": ds_why,
+           "moepar_ms": secs["moepar MoE"] * 1e3}
+    if ds_ok:
+        out["deepspeed_ms"] = secs["DeepSpeed-MoE"] * 1e3
+        out["ratio"] = secs["moepar MoE"] / secs["DeepSpeed-MoE"]
+    return out
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="torchrun --nproc_per_node=4 -m moepar bench dispatch",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--ep", default="2,4", help="comma list of expert-parallel sizes (each must divide the world)")
+    p.add_argument("--configs", default="A,B",
+                   help="config shapes of the dispatch rows (bench layer's names or T:D:F:E:K)")
+    p.add_argument("--layer-config", default="C", help="config of the whole-layer step (C: skewed routing)")
+    p.add_argument("--layer-tokens", type=int, default=None, help="tokens per rank of the layer step")
+    p.add_argument("--no-layer", action="store_true", help="skip the whole-layer step")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        for c in args.configs.split(",") + [args.layer_config]:
+            if c:
+                parse_config(c)
+    except ValueError as e:
+        p.error(str(e))
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    """Every row of ``args`` on this rank's world (torch.distributed initialised, or a world
+    of one created here); the same result on every rank."""
+    own_group = not dist.is_initialized()
+    if own_group:
+        if "RANK" not in os.environ:   # alone: a world of one
+            from moepar.bench.peers import _free_port
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+        dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    eps = [int(v) for v in args.ep.split(",") if v and world % int(v) == 0] or [1]
+    rows, layer_rows = [], []
+    for ep in eps:
+        state = groups.init_parallel(expert_parallel_size=ep, verbose=False)
+        try:
+            if ep > 1:
+                rows += [bench_dispatch(c, ep, state, args.rounds, args.warmup)
+                         for c in args.configs.split(",") if c]
+            if not args.no_layer:
+                layer_rows.append(bench_layer_step(args.layer_config, ep, state, args.rounds, args.warmup,
+                                                   args.layer_tokens))
+        finally:
+            groups.reset_parallel_state()
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
+           "torch": torch.__version__, "world": world, "backend": dist.get_backend(),
+           "threads": torch.get_num_threads(), "dispatch": rows, "layer": layer_rows}
+    dist.barrier()
+    if own_group:
+        dist.destroy_process_group()
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    out = run(args)
+    if rank == 0:
+        if args.json:
+            print(json.dumps(out, indent=1))
+        else:
+            print(f"# bench dispatch  {out['date']}  {out['machine']}  torch {out['torch']}  world={out['world']} "
+                  f"({out['backend']}, {out['threads']} thread(s) per rank)")
+            if out["dispatch"]:
+                print("\ndispatch + combine (forward + backward, identity experts) vs raw all_to_all_single "
+                      "of the same splits (4 calls):")
+                print(format_table(out["dispatch"], ["config", "ep", "T", "D", "K", "E", "bytes_per_rank_max",
+                                                     "dispatch_ms", "raw_ms", "ratio", "correct"]))
+            if out["layer"]:
+                print(f"\nwhole layer step (config {args.layer_config}, skewed routing) vs DeepSpeed-MoE "
+                      f"(drop_tokens=False):")
+                cols = ("ep", "T", "load_max_over_mean", "moepar_ms", "deepspeed_ms", "ratio", "deepspeed")
+                print(format_table(out["layer"], [c for c in cols if any(c in r for r in out["layer"])]))
+    return 0 if all(r["correct"] for r in out["dispatch"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
