@@ -220,3 +220,17 @@ def test_experts_in_many_segments_match_per_expert_autograd(monkeypatch, activat
     want = torch.autograd.grad(torch.cat(outs), [x] + params, g)
     for a, b in zip(got, want):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_bench_entry_usage_and_unknown_mode(capsys, monkeypatch):
+    from moepar import bench
+    assert bench.main(["--help"]) == 0
+    assert "no mode" in capsys.readouterr().out
+    assert bench.main(["nope"]) == 2
+    ran = []
+    monkeypatch.setattr(bench, "_run", lambda mode, argv: ran.append(mode) or 0)
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert bench.main([]) == 0 and ran == list(bench.SINGLE_PROCESS)
+    ran.clear()
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert bench.main([]) == 0 and ran == ["dispatch"]

@@ -1,5 +1,4 @@
 """The MoE dispatch rows of `python -m moepar validate` on 4 gloo ranks."""
-import torch.distributed as dist
 
 from moepar.cost.calibrate import calibrate
 from moepar.cost.validate import run_validation

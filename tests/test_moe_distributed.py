@@ -65,6 +65,42 @@ def test_layouts_match_single_process(world, tp, ep, etp):
     _assert_close(run_ranks(_compare, world, tp, ep, etp, VARIANTS))
 
 
+def _compare_dispatch_path(blocked, *args):
+    """_compare with the blocked all-to-all (one per local expert) forced on or off;
+    returns whether it ran, with _compare's results."""
+    import os
+    from moepar.moe import dispatcher
+    from moepar.parallel import comm
+    old_env, old_min = os.environ.get("MOEPAR_BLOCKED_A2A"), dispatcher.BLOCKED_MIN_BLOCK_BYTES
+    old_fn, calls = comm.all_to_all_blocks, []
+
+    def counting(*a, **kw):
+        calls.append(1)
+        return old_fn(*a, **kw)
+    os.environ["MOEPAR_BLOCKED_A2A"] = "1" if blocked else "0"
+    dispatcher.BLOCKED_MIN_BLOCK_BYTES = 0          # tiny test tensors: force the blocked form
+    comm.all_to_all_blocks = counting
+    try:
+        results = _compare(*args)
+        return bool(calls), results
+    finally:
+        comm.all_to_all_blocks, dispatcher.BLOCKED_MIN_BLOCK_BYTES = old_fn, old_min
+        if old_env is None:
+            del os.environ["MOEPAR_BLOCKED_A2A"]
+        else:
+            os.environ["MOEPAR_BLOCKED_A2A"] = old_env
+
+
+@pytest.mark.parametrize("blocked", [True, False])
+@pytest.mark.parametrize("world,tp,ep,etp", [(4, 1, 2, 1), (4, 2, 2, 1)])
+def test_blocked_and_regrouped_dispatch_both_match(blocked, world, tp, ep, etp):
+    # Two local experts per rank on gloo: the blocked all-to-all is the default; the
+    # single all-to-all + regroup (what NCCL uses) must give the same numbers.
+    out = run_ranks(_compare_dispatch_path, world, blocked, tp, ep, etp, VARIANTS[:4], True)
+    assert all(used == blocked for used, _ in out)
+    _assert_close([r for _, r in out])
+
+
 @pytest.mark.parametrize("world,tp,ep,etp", [(4, 1, 4, 1), (4, 2, 2, 2)])
 def test_uneven_token_counts_including_zero(world, tp, ep, etp):
     # dp replicas hold 5, 0, 3, 7 tokens: one rank sends and (for some experts) receives nothing.
@@ -117,7 +153,8 @@ def _count_collectives(tp, ep, etp, pad):
     (y * g).sum().backward()
     bwd = {op: moe.stats.comm.count(op, backward=True) for op in ("all_to_all", "all_gather", "reduce_scatter")}
     nbytes = moe.stats.comm_bytes("all_to_all", backward=False)
-    return fwd, bwd, nbytes
+    a2a = sorted(e.nbytes for e in moe.stats.comm.events if e.op == "all_to_all" and not e.backward)
+    return fwd, bwd, nbytes, (a2a[0] if a2a else None)
 
 
 @pytest.mark.parametrize("layout,pad,fwd,bwd", [
@@ -127,9 +164,18 @@ def _count_collectives(tp, ep, etp, pad):
     ((1, 2, 2), False, {"all_to_all": 3, "all_gather": 2, "reduce_scatter": 1}, {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}),
 ])
 def test_collective_counts_are_as_documented(layout, pad, fwd, bwd):
-    for f, b, nbytes in run_ranks(_count_collectives, 4, *layout, pad):
+    from moepar.cost.accounting import layer_calls
+    from moepar.cost.hardware import get_hardware
+    from moepar.cost.model import CostLayout, MoESpec
+    tp, ep, etp = layout
+    model = layer_calls(MoESpec(hidden=moe_ref.D, ffn=moe_ref.F, experts=4, topk=2, tokens=6, dtype="fp32"),
+                        CostLayout(4, 4, tp=tp, ep=ep, etp=etp), get_hardware("h100"))
+    model_counts = [c.nbytes for c in model if c.name == "MoE counts"]
+    for f, b, nbytes, smallest_a2a in run_ranks(_count_collectives, 4, *layout, pad):
         assert f == fwd and b == bwd
         assert (nbytes > 0) == (layout[1] > 1)
+        if ep > 1:   # the counts exchange: the bytes the cost model prices for it
+            assert [smallest_a2a] == model_counts
 
 
 def _bad_inputs():

@@ -140,3 +140,17 @@ def keep_freed_memory() -> bool:
         return bool(libc.mallopt(-3, 1 << 30)) and bool(libc.mallopt(-1, (1 << 31) - 1))   # M_MMAP/M_TRIM
     except (OSError, AttributeError):
         return False
+
+
+def grad_step(mod, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
+    """One forward + backward of ``mod`` on ``x`` (output gradient ``g``), the aux loss
+    included: gradients to x and every trainable parameter. ``mod`` returns y or (y, aux);
+    without the tuple its ``aux_loss`` attribute is the aux loss (moepar's layer)."""
+    params = [p for p in mod.parameters() if p.requires_grad]
+    one = torch.ones((), device=x.device)   # the aux loss is an fp32 scalar
+
+    def step():
+        out = mod(x)
+        y, aux = out if isinstance(out, tuple) else (out, mod.aux_loss)
+        torch.autograd.grad([y, aux], [x] + params, [g, one])
+    return step

@@ -7,7 +7,8 @@ experts, S/R rows this rank sends/receives (its routes, its experts' rows).
 For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp = W/ep):
 
 * **dispatch + combine**: the real ``Dispatcher`` forward and backward with identity experts
-  (permute, the counts all-to-all, the token all-to-all S*D*b, the local regroup, the
+  (permute, the counts all-to-all, the token all-to-all S*D*b — on gloo one call per local
+  expert, else one call and a local regroup, column "a2a" — the
   inverse of each on the way back, the weighted unpermute; backward: 2 token all-to-alls,
   gradients to x and to the routing weights), i.e. 4 token all-to-alls + 1 counts exchange;
 * **raw all-to-all**: ``dist.all_to_all_single`` of exactly the same splits and bytes, the
@@ -31,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from moepar.bench.common import format_table
+from moepar.bench.common import format_table, grad_step, keep_freed_memory
 from moepar.bench.layer import parse_config, skew_input_shift, zipf_input_shift
 from moepar.bench.local import _machine, random_routes
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status
@@ -97,7 +98,9 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
     ratio = secs["dispatch+combine"] / secs["raw all_to_all_single"]
     return {"config": cfg_name, "ep": ep, "T": T, "D": D, "E": E, "K": K, "correct": ok,
             "bytes_per_rank_max": int(nbytes), "dispatch_ms": secs["dispatch+combine"] * 1e3,
-            "raw_ms": secs["raw all_to_all_single"] * 1e3, "ratio": ratio}
+            "raw_ms": secs["raw all_to_all_single"] * 1e3, "ratio": ratio,
+            "a2a": "per local expert" if meta.blocks is not None else "one + regroup" if meta.regroup is not None
+            else "one"}
 
 
 def bench_layer_step(cfg_name: str, ep: int, state, rounds: int, warmup: int, tokens: int | None) -> dict:
@@ -116,25 +119,15 @@ def bench_layer_step(cfg_name: str, ep: int, state, rounds: int, warmup: int, to
         dist.all_reduce(s_all)
         x = x + zipf_input_shift(moe.router.weight.detach(), float(s_all) / dist.get_world_size())
     x.requires_grad_(True)
-    one = torch.ones(())
     with torch.no_grad():
         counts = moe.router(x).tokens_per_expert.clone()
     dist.all_reduce(counts)
     load = float(counts.max() / counts.float().mean())
 
-    def step_of(mod):
-        params = [p for p in mod.parameters() if p.requires_grad]
-
-        def step():
-            out = mod(x)
-            y, aux = out if isinstance(out, tuple) else (out, mod.aux_loss)
-            torch.autograd.grad([y, aux], [x] + params, [g, one])
-        return step
-
-    fns = {"moepar MoE": step_of(moe)}
+    fns = {"moepar MoE": grad_step(moe, x, g)}
     ds_ok, ds_why = deepspeed_status()
     if ds_ok:
-        fns["DeepSpeed-MoE"] = step_of(DeepSpeedMoE(moe, drop_tokens=False))
+        fns["DeepSpeed-MoE"] = grad_step(DeepSpeedMoE(moe, drop_tokens=False), x, g)
     secs = _timed_rounds(fns, rounds, warmup)
     out = {"config": cfg_name, "ep": ep, "T": T, "load_max_over_mean": load, "deepspeed": ds_why,
            "moepar_ms": secs["moepar MoE"] * 1e3}
@@ -155,6 +148,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-layer", action="store_true", help="skip the whole-layer step")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--malloc", default="default", choices=("default", "keep"),
+                   help="keep: glibc keeps freed memory mapped (no page faults on fresh buffers at every "
+                        "step, as with jemalloc/tcmalloc); default: the allocator as it is")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -176,6 +172,8 @@ def run(args: argparse.Namespace) -> dict:
             os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
         dist.init_process_group("gloo")
     world = dist.get_world_size()
+    if getattr(args, "malloc", "default") == "keep" and not keep_freed_memory():
+        raise SystemExit("--malloc keep needs glibc's mallopt")
     eps = [int(v) for v in args.ep.split(",") if v and world % int(v) == 0] or [1]
     rows, layer_rows = [], []
     for ep in eps:
@@ -191,7 +189,7 @@ def run(args: argparse.Namespace) -> dict:
             groups.reset_parallel_state()
     out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
            "torch": torch.__version__, "world": world, "backend": dist.get_backend(),
-           "threads": torch.get_num_threads(), "dispatch": rows, "layer": layer_rows}
+           "threads": torch.get_num_threads(), "malloc": getattr(args, "malloc", "default"), "dispatch": rows, "layer": layer_rows}
     dist.barrier()
     if own_group:
         dist.destroy_process_group()
@@ -207,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(out, indent=1))
         else:
             print(f"# bench dispatch  {out['date']}  {out['machine']}  torch {out['torch']}  world={out['world']} "
-                  f"({out['backend']}, {out['threads']} thread(s) per rank)")
+                  f"({out['backend']}, {out['threads']} thread(s) per rank)  malloc={out['malloc']}")
             if out["dispatch"]:
                 print("\ndispatch + combine (forward + backward, identity experts) vs raw all_to_all_single "
                       "of the same splits (4 calls):")
                 print(format_table(out["dispatch"], ["config", "ep", "T", "D", "K", "E", "bytes_per_rank_max",
-                                                     "dispatch_ms", "raw_ms", "ratio", "correct"]))
+                                                     "a2a", "dispatch_ms", "raw_ms", "ratio", "correct"]))
             if out["layer"]:
                 print(f"\nwhole layer step (config {args.layer_config}, skewed routing) vs DeepSpeed-MoE "
                       f"(drop_tokens=False):")

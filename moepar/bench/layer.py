@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import time
 from typing import Callable
 
 import torch
 
-from moepar.bench.common import (format_table, keep_freed_memory, matmul_gflops, run_in_fresh_process,
+from moepar.bench.common import (format_table, grad_step, keep_freed_memory, matmul_gflops, run_in_fresh_process,
                                  step_peak_bytes)
 from moepar.bench.local import (_DTYPES, _autograd_grouped_mm, _autograd_loop, _loadavg, _machine, _path_ok,
                                 _rounds, expert_flops)
@@ -172,7 +171,7 @@ class LayerCase:
     def factories(self, with_reference: bool = True, with_peers: bool = True
                   ) -> dict[str, Callable[[], Callable[[], None]]]:
         """name -> () -> step: each step runs forward + backward once (grads returned, not kept)."""
-        m, x, g, one = self.moe.experts, self.x, self.g, torch.ones((), device=self.device)
+        m, x, g = self.moe.experts, self.x, self.g
         out: dict[str, Callable[[], Callable[[], None]]] = {}
 
         def floor_path(path):
@@ -203,16 +202,7 @@ class LayerCase:
                                             [self.x_ND] + list(m.parameters()), self.g_ND))
 
         def module_step(build):
-            def make():
-                mod = build()
-                params = [p for p in mod.parameters() if p.requires_grad]
-
-                def step():
-                    y = mod(x)
-                    y, aux = y if isinstance(y, tuple) else (y, mod.aux_loss)
-                    torch.autograd.grad([y, aux], [x] + params, [g, one])
-                return step
-            return make
+            return lambda: grad_step(build(), x, g)
 
         out[MOEPAR] = module_step(lambda: self.moe)
         if with_reference:

@@ -6,11 +6,22 @@ K top-k, N routes this rank sends (kept routes, or E*C rows when padded to capac
 M rows this rank's experts process, S = ep*etp source blocks, P the EP group size.
 
 Collectives per call (b = bytes per element), in order:
-  dispatch: [ep>1] counts all-to-all, P*(L+4) int64 ; [ep>1] token all-to-all, N*D*b sent;
+  dispatch: [ep>1] counts all-to-all, P*(L+5) int64 ; [ep>1] token all-to-all, N*D*b sent;
             [etp>1] all-gather of the counts matrix (etp*ep*L*8) and of the rows (etp*M_r*D*b)
   combine:  [etp>1] reduce-scatter of the partial outputs (etp*M_r*D*b) ; [ep>1] token all-to-all back
   backward: the mirror of each token collective (all-to-all <-> all-to-all, all-gather <-> reduce-scatter).
 The dispatcher keeps no state between calls: everything ``combine`` needs is in ``DispatchMeta``.
+
+Regroup. The token all-to-all delivers source-major rows (block s from EP peer s, inside it
+the peer's rows for each local expert); the grouped GEMM wants each local expert's rows
+contiguous. Two ways, same numbers:
+  * one all-to-all, then a local gather (``_regroup_index``) to expert-major, and its inverse
+    on the way back (NCCL, and whenever the blocked form does not apply);
+  * blocked (gloo on the CPU, dropless, no expert TP, 2..BLOCKED_MAX_LOCAL local experts):
+    the sender permutes its rows in (local expert, peer) order and issues one all-to-all per
+    local expert, each landing in that expert's contiguous block: no regroup passes (on this
+    CPU a pass over the rows costs about as much as moving them; docs/bench.md).
+    ``MOEPAR_BLOCKED_A2A=0`` turns it off. Recorded as one all-to-all in the stats.
 """
 from __future__ import annotations
 
@@ -26,8 +37,14 @@ from ..parallel import comm
 
 # dtypes are exchanged as small integer codes in the counts message.
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-# metadata appended to every counts row: hidden size, dtype code, error flag, capacity.
-_META = 4
+# metadata appended to every counts row: hidden size, dtype code, error flag, capacity,
+# rows the sender dispatches in all.
+_META = 5
+# Most local experts for the blocked all-to-all (each block is one all-to-all call).
+BLOCKED_MAX_LOCAL = 16
+# ... and only when the EP group's mean bytes per (rank, local expert) block reach this:
+# below it the extra calls' latency costs more than the regroup pass saves (measured, docs/bench.md).
+BLOCKED_MIN_BLOCK_BYTES = 1 << 20
 
 
 def check_finite_enabled() -> bool:
@@ -64,6 +81,7 @@ class DispatchMeta:
     counts_SL: torch.Tensor              # [S, L] int64 on CPU: rows per (source block, local expert)
     capacity: int | None                 # per-expert slots when padded, else None
     token_sizes: list[int] | None = None  # TP shares of the tokens (dropless coordinated dispatch)
+    blocks: tuple | None = None          # (recv per local expert [L][P], send [L][P]): blocked all-to-all
 
 
 class Dispatcher:
@@ -94,7 +112,7 @@ class Dispatcher:
         rank raises on all of them here, before any token moves."""
         P, L = self.ep, self.num_local
         meta = torch.tensor([hidden, _DTYPES.index(dtype) if dtype in _DTYPES else -1,
-                             0 if error is None else 1, capacity or 0], dtype=torch.int64)
+                             0 if error is None else 1, capacity or 0, int(counts_E.sum())], dtype=torch.int64)
         send = torch.cat([counts_E.to("cpu", torch.int64).view(P, L), meta.expand(P, _META)], dim=1)
         # Counts travel on the tokens' device (NCCL needs CUDA tensors); tiny.
         device = torch.device("cpu") if dist.get_backend(self.ep_group) == "gloo" else counts_E.device
@@ -142,7 +160,7 @@ class Dispatcher:
             if int(flag):
                 raise ValueError("MOEPAR_CHECK_FINITE=1: non-finite values in the MoE layer input (on some rank)")
         tp, tp_rank = comm.group_size(self.tp_group), comm.group_rank(self.tp_group)
-        token_sizes = None
+        token_sizes, blocked = None, False
         if capacity is not None:
             if P > 1:  # agree on one capacity so that every split is equal
                 recv = self._exchange_counts(torch.zeros(E, dtype=torch.int64), D, x_TD.dtype, None, capacity)
@@ -164,14 +182,36 @@ class Dispatcher:
                 weights_TK = comm.scatter_to_region(weights_TK, self.tp_group, 0, token_sizes, stats=self.stats)
                 expert_ids_TK = expert_ids_TK[lo:hi]
                 dropped_TK = None if dropped_TK is None else dropped_TK[lo:hi]
-            x_ND, counts_E, row_map = permute(x_TD, expert_ids_TK, dropped_TK, E)
             if P > 1:
-                counts_PL = self._exchange_counts(counts_E, D, x_TD.dtype, None, None)[:, :L]
+                # Counts first (a histogram of the kept routes), so that the EP group can agree
+                # on the all-to-all's form before the rows are permuted for it.
+                kept = expert_ids_TK if dropped_TK is None else expert_ids_TK[~dropped_TK]
+                counts_E = torch.bincount(kept.reshape(-1), minlength=E)
+                recv = self._exchange_counts(counts_E, D, x_TD.dtype, None, None)
+                counts_PL = recv[:, :L]
+                block_bytes = int(recv[:, L + 4].sum()) * D * x_TD.element_size() / (P * L)
+                blocked = self._blocked(x_TD) and block_bytes >= BLOCKED_MIN_BLOCK_BYTES
+            if blocked:
+                # Rows in (local expert, peer) order, so that each local expert's all-to-all
+                # lands contiguous on the receiver: expert-major with no regroup copy.
+                key_TK = (expert_ids_TK % L) * P + torch.div(expert_ids_TK, L, rounding_mode="floor")
+                x_ND, _, row_map = permute(x_TD, key_TK, dropped_TK, E)
+            else:
+                x_ND, counts_E, row_map = permute(x_TD, expert_ids_TK, dropped_TK, E)
+            if P > 1:
                 send = counts_E.view(P, L).sum(1).tolist()
                 recv_ = counts_PL.sum(1).tolist()
             else:
                 counts_PL, send, recv_ = counts_E.to("cpu", torch.int64).view(1, L), None, None
-        x_recv = comm.all_to_all(x_ND, self.ep_group, recv_, send, stats=self.stats) if P > 1 else x_ND
+        blocks = None
+        if capacity is None and P > 1 and blocked:
+            counts_sent = counts_E.to("cpu", torch.int64).view(P, L)
+            blocks = (tuple(tuple(c) for c in counts_PL.t().tolist()), tuple(tuple(c) for c in counts_sent.t().tolist()))
+            x_recv = comm.all_to_all_blocks(x_ND, self.ep_group, blocks[0], blocks[1], stats=self.stats)
+        elif P > 1:
+            x_recv = comm.all_to_all(x_ND, self.ep_group, recv_, send, stats=self.stats)
+        else:
+            x_recv = x_ND
         etp_sizes = None
         counts_SL = counts_PL
         if self.etp > 1:
@@ -183,11 +223,11 @@ class Dispatcher:
             etp_sizes = mats.view(self.etp, P * L).sum(1).tolist()
             x_recv = comm.gather_from_sequence_region(x_recv, self.etp_group, 0, etp_sizes, stats=self.stats)
         regroup = None
-        if counts_SL.shape[0] > 1 and L > 1:   # one local expert: source-major is expert-major
+        if counts_SL.shape[0] > 1 and L > 1 and blocks is None:   # one local expert: source-major is expert-major
             regroup = _regroup_index(counts_SL, x_recv.device)
             x_recv = _PermuteRows.apply(x_recv, *regroup)
         meta = DispatchMeta(T, row_map, weights_TK, send, recv_, etp_sizes, regroup,
-                            counts_SL.sum(0), counts_SL, capacity, token_sizes)
+                            counts_SL.sum(0), counts_SL, capacity, token_sizes, blocks)
         return x_recv, meta
 
     def combine(self, y_local: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
@@ -198,7 +238,9 @@ class Dispatcher:
             y = _PermuteRows.apply(y, inv, idx)
         if self.etp > 1:
             y = comm.reduce_scatter_to_region(y, self.etp_group, 0, meta.etp_sizes, stats=self.stats)
-        if self.ep > 1:
+        if meta.blocks is not None:
+            y = comm.all_to_all_blocks(y, self.ep_group, meta.blocks[1], meta.blocks[0], stats=self.stats)
+        elif self.ep > 1:
             y = comm.all_to_all(y, self.ep_group, meta.send_splits, meta.recv_splits, stats=self.stats)
         tp = comm.group_size(self.tp_group)
         if meta.capacity is not None:
@@ -211,6 +253,15 @@ class Dispatcher:
         if meta.token_sizes is not None:
             y = comm.gather_from_region(y, self.tp_group, 0, meta.token_sizes, stats=self.stats)
         return y
+
+    def _blocked(self, x: torch.Tensor) -> bool:
+        """Dropless dispatch as one all-to-all per local expert (``all_to_all_blocks``)
+        instead of one all-to-all and a regroup copy: on gloo (CPU), where a pass over the
+        rows costs about as much as moving them, for 2..``BLOCKED_MAX_LOCAL`` local experts
+        and no expert TP. NCCL keeps the single all-to-all (the regroup is cheap in HBM)."""
+        return (self.ep > 1 and self.etp == 1 and 1 < self.num_local <= BLOCKED_MAX_LOCAL
+                and x.device.type == "cpu" and dist.get_backend(self.ep_group) == "gloo"
+                and os.environ.get("MOEPAR_BLOCKED_A2A", "1") == "1")
 
     def _small_device(self, x: torch.Tensor) -> torch.device:
         return torch.device("cpu") if dist.get_backend(self.etp_group) == "gloo" else x.device

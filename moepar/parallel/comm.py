@@ -187,6 +187,27 @@ def all_to_all_rows(x: torch.Tensor, group, output_split_sizes: Sequence[int] | 
     return out
 
 
+def all_to_all_blocks_rows(x: torch.Tensor, group, out_blocks: Sequence[Sequence[int]],
+                           in_blocks: Sequence[Sequence[int]], backward: bool = False,
+                           stats: CommStats | None = None) -> torch.Tensor:
+    """One all-to-all-v per row block: block b of ``x`` (``sum(in_blocks[b])`` rows, split
+    over the peers by ``in_blocks[b]``) lands as block b of the output (``out_blocks[b]``
+    from each peer). Recorded as one all-to-all of the whole send buffer."""
+    if group_size(group) == 1:
+        return x
+    x = x.contiguous()
+    out = x.new_empty((sum(sum(b) for b in out_blocks),) + tuple(x.shape[1:]))
+
+    def run():
+        i0 = o0 = 0
+        for out_s, in_s in zip(out_blocks, in_blocks):
+            i1, o1 = i0 + sum(in_s), o0 + sum(out_s)
+            dist.all_to_all_single(out[o0:o1], x[i0:i1], list(out_s), list(in_s), group=group)
+            i0, o0 = i1, o1
+    _timed("all_to_all", group, _nbytes(x), backward, run, stats)
+    return out
+
+
 # ---- autograd functions ---------------------------------------------------------------
 
 def _move_first(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -278,15 +299,18 @@ class _ReduceScatter(_RowBlockOp):  # forward: reduce-scatter; backward: all-gat
 
 
 class _AllToAll(torch.autograd.Function):
+    """``raw`` (all_to_all_rows or all_to_all_blocks_rows) forward; the same with the
+    splits swapped backward."""
+
     @staticmethod
-    def forward(ctx, x, group, output_split_sizes, input_split_sizes, stats):
-        ctx.group, ctx.out_s, ctx.in_s, ctx.stats = group, output_split_sizes, input_split_sizes, stats
-        return all_to_all_rows(x, group, output_split_sizes, input_split_sizes, stats=stats)
+    def forward(ctx, x, group, out_splits, in_splits, stats, raw):
+        ctx.group, ctx.out_s, ctx.in_s, ctx.stats, ctx.raw = group, out_splits, in_splits, stats, raw
+        return raw(x, group, out_splits, in_splits, stats=stats)
 
     @staticmethod
     def backward(ctx, g):
-        return (all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True, stats=ctx.stats),
-                None, None, None, None)
+        return (ctx.raw(g, ctx.group, ctx.in_s, ctx.out_s, backward=True, stats=ctx.stats),
+                None, None, None, None, None)
 
 
 def copy_to_region(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
@@ -336,7 +360,19 @@ def all_to_all(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None 
     Backward is the reverse all-to-all."""
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats)
+    return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats, all_to_all_rows)
+
+
+def all_to_all_blocks(x: torch.Tensor, group, out_blocks: Sequence[Sequence[int]],
+                      in_blocks: Sequence[Sequence[int]], stats: CommStats | None = None) -> torch.Tensor:
+    """All-to-all-v in row blocks (see ``all_to_all_blocks_rows``): block b's rows go to the
+    peers as ``in_blocks[b]`` says and come back as output block b, so the output can be
+    laid out block-major (e.g. local-expert-major) with no regrouping copy afterwards.
+    Backward is the reverse, block by block."""
+    if group_size(group) == 1:
+        return x
+    as_t = lambda bs: tuple(tuple(int(v) for v in b) for b in bs)   # noqa: E731
+    return _AllToAll.apply(x, group, as_t(out_blocks), as_t(in_blocks), stats, all_to_all_blocks_rows)
 
 
 def _tuple(sizes: Sequence[int] | None) -> tuple[int, ...] | None:
