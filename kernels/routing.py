@@ -285,6 +285,12 @@ def _sanitize(key_TE: torch.Tensor) -> torch.Tensor:
                        torch.full_like(key_TE, -_FLT_MAX), key_TE)
 
 
+def _compiling() -> bool:
+    """Inside torch.compile's tracing: take the branch-free paths (no host reads, no
+    data-dependent shapes), which give the same results."""
+    return torch.compiler.is_compiling()
+
+
 def _topk_lowest_index(key_TE: torch.Tensor, k: int) -> torch.Tensor:
     """Top-k ids in descending key order, equal keys broken toward the lower index.
 
@@ -298,7 +304,7 @@ def _topk_lowest_index(key_TE: torch.Tensor, k: int) -> torch.Tensor:
     if vals.shape[1] < 2 or T == 0:
         return ids
     tie_T = (vals[:, 1:] == vals[:, :-1]).any(dim=-1)
-    if key_TE.device.type == "cpu":   # host reads are free here: redo only the tied rows
+    if key_TE.device.type == "cpu" and not _compiling():   # host reads are free here: redo only the tied rows
         rows = tie_T.nonzero().flatten()
         if rows.numel():
             ids[rows] = torch.sort(key_TE[rows], dim=-1, descending=True, stable=True).indices[:, :k]
@@ -311,7 +317,7 @@ def nonfinite_rows(x_TE: torch.Tensor) -> torch.Tensor:
     """[T] bool: rows holding a NaN or an infinity. On the CPU a row sum flags candidate
     rows in one pass (a non-finite element makes the sum non-finite; a finite row whose sum
     overflows is re-checked exactly), instead of the three passes of ``isfinite().all()``."""
-    if x_TE.device.type != "cpu":
+    if x_TE.device.type != "cpu" or _compiling():
         return ~torch.isfinite(x_TE).all(dim=-1)
     bad_T = ~torch.isfinite(x_TE.sum(dim=-1))
     rows = bad_T.nonzero().flatten()
@@ -353,7 +359,7 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
     T, E = x.shape
     bad_T = nonfinite_rows(x) if bad_T is None else bad_T
     # On the CPU the host knows for free whether any row is bad; elsewhere assume some are.
-    any_bad = x.device.type != "cpu" or bool(bad_T.any())
+    any_bad = x.device.type != "cpu" or _compiling() or bool(bad_T.any())
     xs = x if selection_noise_TE is None else x + selection_noise_TE.float()
     if scores_TE is None and score_func != "softmax_after_topk":
         scores_TE = _scores(x, score_func)
@@ -382,5 +388,9 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
     w = w * scaling_factor
     if any_bad:
         w = torch.where(bad_T[:, None], torch.full_like(w, float("nan")), w)
-    hist_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
+    if _compiling():   # bincount's output size depends on the data: a graph break
+        hist_E = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
+            0, ids_TK.reshape(-1), torch.ones(T * k, dtype=torch.int64, device=x.device))
+    else:
+        hist_E = torch.bincount(ids_TK.reshape(-1), minlength=E)
     return ids_TK, w, hist_E

@@ -340,6 +340,10 @@ class GroupedExperts(nn.Module):
         return self._run(x_ND, tokens_per_expert, params)
 
     def _run(self, x_ND, tokens_per_expert, params) -> torch.Tensor:
+        if torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor):
+            # Traced: the counts' host read happens inside a custom op (no graph break).
+            from .experts_op import experts_fwd
+            return experts_fwd(x_ND, *params, tokens_per_expert, self.gemm_path, self.activation)
         counts = self._counts(tokens_per_expert, x_ND)
         path = self.resolve_gemm_path(x_ND, counts)
         return _ExpertsFunction.apply(x_ND, *params, counts, path, self.activation)

@@ -1,0 +1,89 @@
+"""GroupedExperts as ``torch.library`` custom ops, the path taken under ``torch.compile``.
+
+The experts need the per-expert row counts on the host to size their GEMMs; traced by
+dynamo, that host read (``tolist``) is a graph break. Behind a custom op the read happens
+inside the op at run time, and the compiled graph holds one opaque node with a fake
+(shape-only) implementation: no break. Eager mode keeps ``_ExpertsFunction`` directly.
+
+``moepar::experts_fwd(x, w1, w2, w3?, b1?, b2?, b3?, counts, path, activation) -> y`` runs
+the same Function (same GEMM paths, same numbers) without keeping its intermediates;
+``moepar::experts_bwd`` recomputes the forward inside and returns every gradient (absent
+tensors as empty ones). The price is one extra forward of the experts in backward, like
+activation checkpointing, and only under ``torch.compile``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .gemm import choose_gemm_path, path_supported
+
+_Opt = Optional[torch.Tensor]
+
+
+def _resolve(path: str, x: torch.Tensor, counts: list[int], w1: torch.Tensor) -> str:
+    D, Fl = w1.shape[1], w1.shape[2]
+    if path == "auto":
+        return choose_gemm_path(x.device, x.dtype, counts, D, Fl)
+    ok, why = path_supported(path, x.device, x.dtype, D, Fl)
+    if not ok:
+        raise ValueError(f"gemm_path={path!r} is not available here: {why}")
+    return path
+
+
+def _apply(x, w1, w2, w3, b1, b2, b3, counts_t, path, activation):
+    from .experts import _ExpertsFunction
+    counts = [int(c) for c in counts_t.tolist()]
+    if len(counts) != w1.shape[0] or any(c < 0 for c in counts) or sum(counts) != x.shape[0]:
+        raise ValueError(f"tokens_per_expert={counts} must hold {w1.shape[0]} counts >= 0 summing to "
+                         f"the {x.shape[0]} rows of x_ND")
+    return _ExpertsFunction.apply(x, w1, w2, w3, b1, b2, b3, counts, _resolve(path, x, counts, w1), activation)
+
+
+@torch.library.custom_op("moepar::experts_fwd", mutates_args=())
+def experts_fwd(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: _Opt, b1: _Opt, b2: _Opt, b3: _Opt,
+                counts: torch.Tensor, path: str, activation: str) -> torch.Tensor:
+    with torch.no_grad():
+        return _apply(x, w1, w2, w3, b1, b2, b3, counts, path, activation)
+
+
+@experts_fwd.register_fake
+def _(x, w1, w2, w3, b1, b2, b3, counts, path, activation):
+    return x.new_empty(x.shape[0], w2.shape[2])
+
+
+@torch.library.custom_op("moepar::experts_bwd", mutates_args=())
+def experts_bwd(gy: torch.Tensor, x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: _Opt, b1: _Opt,
+                b2: _Opt, b3: _Opt, counts: torch.Tensor, path: str, activation: str) -> list[torch.Tensor]:
+    inputs = [t.detach().requires_grad_() if t is not None else None for t in (x, w1, w2, w3, b1, b2, b3)]
+    with torch.enable_grad():
+        y = _apply(*inputs, counts, path, activation)
+        live = [t for t in inputs if t is not None]
+        grads = iter(torch.autograd.grad(y, live, gy, allow_unused=True))
+    out = []
+    for t in inputs:
+        g = next(grads) if t is not None else None
+        out.append(g if g is not None else (torch.zeros_like(t) if t is not None else x.new_empty(0)))
+    return out
+
+
+@experts_bwd.register_fake
+def _(gy, x, w1, w2, w3, b1, b2, b3, counts, path, activation):
+    return [torch.empty_like(t) if t is not None else x.new_empty(0) for t in (x, w1, w2, w3, b1, b2, b3)]
+
+
+def _setup(ctx, inputs, output):
+    x, w1, w2, w3, b1, b2, b3, counts, path, activation = inputs
+    ctx.save_for_backward(x, w1, w2, w3, b1, b2, b3, counts)
+    ctx.path, ctx.activation = path, activation
+
+
+def _backward(ctx, gy):
+    x, w1, w2, w3, b1, b2, b3, counts = ctx.saved_tensors
+    grads = experts_bwd(gy.contiguous(), x, w1, w2, w3, b1, b2, b3, counts, ctx.path, ctx.activation)
+    present = (x, w1, w2, w3, b1, b2, b3)
+    return (*[g if t is not None else None for g, t in zip(grads, present)], None, None, None)
+
+
+experts_fwd.register_autograd(_backward, setup_context=_setup)
