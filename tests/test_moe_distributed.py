@@ -92,11 +92,12 @@ def _compare_dispatch_path(blocked, *args):
 
 
 @pytest.mark.parametrize("blocked", [True, False])
-@pytest.mark.parametrize("world,tp,ep,etp", [(4, 1, 2, 1), (4, 2, 2, 1)])
-def test_blocked_and_regrouped_dispatch_both_match(blocked, world, tp, ep, etp):
-    # Two local experts per rank on gloo: the blocked all-to-all is the default; the
-    # single all-to-all + regroup (what NCCL uses) must give the same numbers.
-    out = run_ranks(_compare_dispatch_path, world, blocked, tp, ep, etp, VARIANTS[:4], True)
+@pytest.mark.parametrize("world,tp,ep,etp,uneven", [(4, 1, 2, 1, False), (4, 2, 2, 1, False), (4, 1, 2, 1, True)])
+def test_blocked_and_regrouped_dispatch_both_match(blocked, world, tp, ep, etp, uneven):
+    # Two local experts per rank on gloo: the blocked all-to-all (forced on for these tiny
+    # tensors) and the single all-to-all + regroup (what NCCL uses) must both equal the
+    # single-process layer, also with 5, 0, 3, 7 tokens on the four ranks.
+    out = run_ranks(_compare_dispatch_path, world, blocked, tp, ep, etp, VARIANTS[:4], uneven)
     assert all(used == blocked for used, _ in out)
     _assert_close([r for _, r in out])
 
