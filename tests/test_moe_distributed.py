@@ -205,6 +205,12 @@ def _bad_inputs():
         errors.append(None)
     except (ValueError, RuntimeError) as e:
         errors.append(str(e))
+    try:  # the dispatcher called directly; only rank 1 sends an expert id out of range
+        ids = torch.tensor([[0, 1], [2, 7 if dist.get_rank() == 1 else 3]])
+        moe.dispatcher.dispatch(torch.randn(2, 8), ids, None, torch.full((2, 2), 0.5))
+        errors.append(None)
+    except ValueError as e:
+        errors.append(str(e))
     return errors
 
 
@@ -215,6 +221,7 @@ def test_bad_input_raises_on_every_rank():
         assert "k=5" in errors[2]
         assert "hidden=8" in errors[3]
         assert errors[4] is not None and errors[5] is not None, errors
+        assert ("outside [0, num_experts=4)" if rank == 1 else "EP rank(s) [1] reported invalid input") in errors[6]
 
 
 def _nan_tokens(check):

@@ -185,9 +185,17 @@ class Dispatcher:
             if P > 1:
                 # Counts first (a histogram of the kept routes), so that the EP group can agree
                 # on the all-to-all's form before the rows are permuted for it.
-                kept = expert_ids_TK if dropped_TK is None else expert_ids_TK[~dropped_TK]
-                counts_E = torch.bincount(kept.reshape(-1), minlength=E)
-                recv = self._exchange_counts(counts_E, D, x_TD.dtype, None, None)
+                # Out-of-range ids land in bin E; a rank that has any tells its peers in the
+                # exchange, and every rank raises there (nobody waits in the token all-to-all).
+                ids_R = expert_ids_TK.reshape(-1).long()
+                ids_R = torch.where((ids_R >= 0) & (ids_R < E), ids_R, E)
+                ones_R = torch.ones_like(ids_R) if dropped_TK is None else (~dropped_TK).reshape(-1).long()
+                counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=ids_R.device).scatter_add_(0, ids_R, ones_R)
+                counts_E = counts_E1[:E]
+                n_bad = int(counts_E1[E])
+                error = None if n_bad == 0 else (
+                    f"expert_ids has {n_bad} kept route(s) outside [0, num_experts={E})")
+                recv = self._exchange_counts(counts_E, D, x_TD.dtype, error, None)
                 counts_PL = recv[:, :L]
                 block_bytes = int(recv[:, L + 4].sum()) * D * x_TD.element_size() / (P * L)
                 blocked = self._blocked(x_TD) and block_bytes >= BLOCKED_MIN_BLOCK_BYTES
