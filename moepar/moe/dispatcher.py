@@ -199,20 +199,19 @@ class Dispatcher:
                 counts_PL = recv[:, :L]
                 block_bytes = int(recv[:, L + 4].sum()) * D * x_TD.element_size() / (P * L)
                 blocked = self._blocked(x_TD) and block_bytes >= BLOCKED_MIN_BLOCK_BYTES
+            key_TK = expert_ids_TK
             if blocked:
                 # Rows in (local expert, peer) order, so that each local expert's all-to-all
                 # lands contiguous on the receiver: expert-major with no regroup copy.
                 key_TK = (expert_ids_TK % L) * P + torch.div(expert_ids_TK, L, rounding_mode="floor")
-                x_ND, _, row_map = permute(x_TD, key_TK, dropped_TK, E)
-            else:
-                x_ND, counts_E, row_map = permute(x_TD, expert_ids_TK, dropped_TK, E)
-            if P > 1:
+            x_ND, counts_key, row_map = permute(x_TD, key_TK, dropped_TK, E)
+            if P > 1:   # counts_E, in global expert order, came from the histogram above
                 send = counts_E.view(P, L).sum(1).tolist()
                 recv_ = counts_PL.sum(1).tolist()
             else:
-                counts_PL, send, recv_ = counts_E.to("cpu", torch.int64).view(1, L), None, None
+                counts_PL, send, recv_ = counts_key.to("cpu", torch.int64).view(1, L), None, None
         blocks = None
-        if capacity is None and P > 1 and blocked:
+        if blocked:
             counts_sent = counts_E.to("cpu", torch.int64).view(P, L)
             blocks = (tuple(tuple(c) for c in counts_PL.t().tolist()), tuple(tuple(c) for c in counts_sent.t().tolist()))
             x_recv = comm.all_to_all_blocks(x_ND, self.ep_group, blocks[0], blocks[1], stats=self.stats)

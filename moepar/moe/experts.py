@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .gemm import GEMM_PATHS, choose_gemm_path, make_gemm, path_supported  # noqa: F401 (re-exported)
+from .gemm import GEMM_PATHS, choose_gemm_path, make_gemm, path_supported, resolve_gemm_path  # noqa: F401
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu")
@@ -176,6 +176,17 @@ class _ExpertsFunction(torch.autograd.Function):
         return gx, gw1, gw2, gw3, gb1, gb2, gb3, None, None, None
 
 
+def check_counts(counts: list[int], num_local_experts: int, rows: int) -> list[int]:
+    """``counts`` if it holds one count >= 0 per local expert, summing to ``rows``."""
+    if len(counts) != num_local_experts:
+        raise ValueError(f"tokens_per_expert has {len(counts)} entries but num_local_experts={num_local_experts}")
+    if any(c < 0 for c in counts):
+        raise ValueError(f"tokens_per_expert={counts} must be >= 0")
+    if sum(counts) != rows:
+        raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x_ND has {rows} rows")
+    return counts
+
+
 def _part(b, sl):
     return None if b is None else b[sl]
 
@@ -293,14 +304,7 @@ class GroupedExperts(nn.Module):
             counts = tokens_per_expert.tolist()   # a host sync if it lives on the GPU
         else:
             counts = [int(c) for c in tokens_per_expert]
-        if len(counts) != self.num_local_experts:
-            raise ValueError(f"tokens_per_expert has {len(counts)} entries but num_local_experts="
-                             f"{self.num_local_experts}")
-        if any(c < 0 for c in counts):
-            raise ValueError(f"tokens_per_expert={counts} must be >= 0")
-        if sum(counts) != x_ND.shape[0]:
-            raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x_ND has {x_ND.shape[0]} rows")
-        return counts
+        return check_counts(counts, self.num_local_experts, x_ND.shape[0])
 
     def _check_input(self, x_ND: torch.Tensor) -> None:
         if not isinstance(x_ND, torch.Tensor) or x_ND.dim() != 2:
@@ -315,12 +319,7 @@ class GroupedExperts(nn.Module):
 
     def resolve_gemm_path(self, x_ND: torch.Tensor, counts: Sequence[int]) -> str:
         """The GEMM path ``forward`` uses for these rows (``gemm_path`` unless "auto")."""
-        if self.gemm_path == "auto":
-            return choose_gemm_path(x_ND.device, x_ND.dtype, counts, self.hidden, self.ffn_local)
-        ok, why = path_supported(self.gemm_path, x_ND.device, x_ND.dtype, self.hidden, self.ffn_local)
-        if not ok:
-            raise ValueError(f"gemm_path={self.gemm_path!r} is not available here: {why}")
-        return self.gemm_path
+        return resolve_gemm_path(self.gemm_path, x_ND.device, x_ND.dtype, counts, self.hidden, self.ffn_local)
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """``y_ND [N, D]``: row block e (``tokens_per_expert[e]`` rows, expert-major) through

@@ -17,28 +17,16 @@ from typing import Optional
 
 import torch
 
-from .gemm import choose_gemm_path, path_supported
+from .gemm import resolve_gemm_path
 
 _Opt = Optional[torch.Tensor]
 
 
-def _resolve(path: str, x: torch.Tensor, counts: list[int], w1: torch.Tensor) -> str:
-    D, Fl = w1.shape[1], w1.shape[2]
-    if path == "auto":
-        return choose_gemm_path(x.device, x.dtype, counts, D, Fl)
-    ok, why = path_supported(path, x.device, x.dtype, D, Fl)
-    if not ok:
-        raise ValueError(f"gemm_path={path!r} is not available here: {why}")
-    return path
-
-
 def _apply(x, w1, w2, w3, b1, b2, b3, counts_t, path, activation):
-    from .experts import _ExpertsFunction
-    counts = [int(c) for c in counts_t.tolist()]
-    if len(counts) != w1.shape[0] or any(c < 0 for c in counts) or sum(counts) != x.shape[0]:
-        raise ValueError(f"tokens_per_expert={counts} must hold {w1.shape[0]} counts >= 0 summing to "
-                         f"the {x.shape[0]} rows of x_ND")
-    return _ExpertsFunction.apply(x, w1, w2, w3, b1, b2, b3, counts, _resolve(path, x, counts, w1), activation)
+    from .experts import _ExpertsFunction, check_counts
+    counts = check_counts([int(c) for c in counts_t.tolist()], w1.shape[0], x.shape[0])
+    path = resolve_gemm_path(path, x.device, x.dtype, counts, w1.shape[1], w1.shape[2])
+    return _ExpertsFunction.apply(x, w1, w2, w3, b1, b2, b3, counts, path, activation)
 
 
 @torch.library.custom_op("moepar::experts_fwd", mutates_args=())

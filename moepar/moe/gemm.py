@@ -230,3 +230,14 @@ def choose_gemm_path(device: torch.device, dtype: torch.dtype, counts: Sequence[
     if E >= _GROUPED_MM_MIN_EXPERTS and path_supported("grouped_mm", device, dtype, D, Fl)[0]:
         return "grouped_mm"
     return "loop"
+
+
+def resolve_gemm_path(path: str, device: torch.device, dtype: torch.dtype, counts: Sequence[int],
+                      D: int, Fl: int) -> str:
+    """The path to run: ``choose_gemm_path`` for "auto", else ``path`` if available here."""
+    if path == "auto":
+        return choose_gemm_path(device, dtype, counts, D, Fl)
+    ok, why = path_supported(path, device, dtype, D, Fl)
+    if not ok:
+        raise ValueError(f"gemm_path={path!r} is not available here: {why}")
+    return path
