@@ -33,6 +33,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import workspace
+
 try:
     import triton
     import triton.language as tl
@@ -194,8 +196,9 @@ def _inverse_row_map(row_map_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
 # ---- references (plain torch; the path off CUDA) ----------------------------------------
 
 def _gather_reference(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, dense: bool) -> torch.Tensor:
-    if dense:  # every row has a route (dropless): one gather
-        return x_TD.index_select(0, route_N // K)
+    if dense:  # every row has a route (dropless): one gather, into a reused buffer
+        out = workspace.empty_like_rows(x_TD, route_N.shape[0])
+        return torch.index_select(x_TD, 0, route_N // K, out=out)
     out = x_TD.new_zeros(route_N.shape[0], x_TD.shape[1])
     valid = route_N >= 0
     rows = torch.nonzero(valid).flatten()
@@ -252,9 +255,10 @@ def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Te
     route = route_N.clamp(min=0)
     tok = route // K
     src = grad_TD.to(dtype)
-    alloc = torch.empty if T else torch.zeros   # no tokens: padding rows only, all zero
-    grad_y = alloc(N, D, dtype=dtype, device=grad_TD.device)
-    dot_N = alloc(N, dtype=torch.float32, device=grad_TD.device) if y_ND is not None else None
+    # (no tokens: padding rows only, all zero)
+    grad_y = workspace.empty((N, D), dtype, grad_TD.device) if T else grad_TD.new_zeros(N, D, dtype=dtype)
+    dot_N = None if y_ND is None else (torch.empty if T else torch.zeros)(N, dtype=torch.float32,
+                                                                         device=grad_TD.device)
     w_N = weights_TK.reshape(-1).to(torch.float32).index_select(0, route) if weights_TK is not None else None
     step = max(1, _BWD_CHUNK_ELEMS // max(D, 1))
     for n0 in range(0, N if T else 0, step):

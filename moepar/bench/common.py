@@ -83,9 +83,14 @@ def _status_kib(field: str) -> int | None:
 
 
 def release_free_heap() -> None:
-    """Return the C heap's free pages to the kernel (glibc ``malloc_trim``), after a gc."""
+    """Return the C heap's free pages to the kernel (glibc ``malloc_trim``), after a gc,
+    and moepar's CPU buffer pool with them: the step that follows must allocate (and is
+    charged for) every buffer it uses, pooled or not."""
     import ctypes
     import gc
+
+    from moepar_kernels import workspace
+    workspace.release()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

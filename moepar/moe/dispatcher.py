@@ -31,6 +31,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from moepar_kernels import workspace
 from moepar_kernels.permute import permute, unpermute
 
 from ..parallel import comm
@@ -214,9 +215,10 @@ class Dispatcher:
         if blocked:
             counts_sent = counts_E.to("cpu", torch.int64).view(P, L)
             blocks = (tuple(tuple(c) for c in counts_PL.t().tolist()), tuple(tuple(c) for c in counts_sent.t().tolist()))
-            x_recv = comm.all_to_all_blocks(x_ND, self.ep_group, blocks[0], blocks[1], stats=self.stats)
+            x_recv = comm.all_to_all_blocks(x_ND, self.ep_group, blocks[0], blocks[1], stats=self.stats,
+                                            empty=workspace.empty)
         elif P > 1:
-            x_recv = comm.all_to_all(x_ND, self.ep_group, recv_, send, stats=self.stats)
+            x_recv = comm.all_to_all(x_ND, self.ep_group, recv_, send, stats=self.stats, empty=workspace.empty)
         else:
             x_recv = x_ND
         etp_sizes = None
@@ -246,9 +248,11 @@ class Dispatcher:
         if self.etp > 1:
             y = comm.reduce_scatter_to_region(y, self.etp_group, 0, meta.etp_sizes, stats=self.stats)
         if meta.blocks is not None:
-            y = comm.all_to_all_blocks(y, self.ep_group, meta.blocks[1], meta.blocks[0], stats=self.stats)
+            y = comm.all_to_all_blocks(y, self.ep_group, meta.blocks[1], meta.blocks[0], stats=self.stats,
+                                       empty=workspace.empty)
         elif self.ep > 1:
-            y = comm.all_to_all(y, self.ep_group, meta.send_splits, meta.recv_splits, stats=self.stats)
+            y = comm.all_to_all(y, self.ep_group, meta.send_splits, meta.recv_splits, stats=self.stats,
+                                empty=workspace.empty)
         tp = comm.group_size(self.tp_group)
         if meta.capacity is not None:
             if tp > 1:  # gather every expert's slot slices back: [E, C, D]

@@ -13,12 +13,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import time
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+# Allocates an output: (shape, dtype, device) -> tensor, like torch.empty.
+EmptyFn = Callable[[tuple, torch.dtype, torch.device], torch.Tensor]
 
 
 @dataclasses.dataclass
@@ -171,15 +175,21 @@ def reduce_scatter_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = No
     return out[: sizes[group_rank(group)]]
 
 
+def _new_rows(x: torch.Tensor, rows: int, empty: EmptyFn | None) -> torch.Tensor:
+    shape = (rows,) + tuple(x.shape[1:])
+    return x.new_empty(shape) if empty is None else empty(shape, x.dtype, x.device)
+
+
 def all_to_all_rows(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None,
                     input_split_sizes: Sequence[int] | None, backward: bool = False,
-                    stats: CommStats | None = None) -> torch.Tensor:
-    """All-to-all-v along dim 0; bytes = this rank's send buffer."""
+                    stats: CommStats | None = None, empty: EmptyFn | None = None) -> torch.Tensor:
+    """All-to-all-v along dim 0; bytes = this rank's send buffer. ``empty(shape, dtype,
+    device)`` allocates the output (default ``torch.empty``; e.g. a buffer pool)."""
     if group_size(group) == 1:
         return x
     x = x.contiguous()
     rows = x.shape[0] if output_split_sizes is None else int(sum(output_split_sizes))
-    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    out = _new_rows(x, rows, empty)
     in_s = None if input_split_sizes is None else [int(s) for s in input_split_sizes]
     out_s = None if output_split_sizes is None else [int(s) for s in output_split_sizes]
     _timed("all_to_all", group, _nbytes(x), backward,
@@ -189,14 +199,14 @@ def all_to_all_rows(x: torch.Tensor, group, output_split_sizes: Sequence[int] | 
 
 def all_to_all_blocks_rows(x: torch.Tensor, group, out_blocks: Sequence[Sequence[int]],
                            in_blocks: Sequence[Sequence[int]], backward: bool = False,
-                           stats: CommStats | None = None) -> torch.Tensor:
+                           stats: CommStats | None = None, empty: EmptyFn | None = None) -> torch.Tensor:
     """One all-to-all-v per row block: block b of ``x`` (``sum(in_blocks[b])`` rows, split
     over the peers by ``in_blocks[b]``) lands as block b of the output (``out_blocks[b]``
     from each peer). Recorded as one all-to-all of the whole send buffer."""
     if group_size(group) == 1:
         return x
     x = x.contiguous()
-    out = x.new_empty((sum(sum(b) for b in out_blocks),) + tuple(x.shape[1:]))
+    out = _new_rows(x, sum(sum(b) for b in out_blocks), empty)
 
     def run():
         i0 = o0 = 0
@@ -354,17 +364,20 @@ def reduce_scatter_to_region(x: torch.Tensor, group, dim: int = 0, sizes: Sequen
 
 
 def all_to_all(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None = None,
-               input_split_sizes: Sequence[int] | None = None, stats: CommStats | None = None) -> torch.Tensor:
+               input_split_sizes: Sequence[int] | None = None, stats: CommStats | None = None,
+               empty: EmptyFn | None = None) -> torch.Tensor:
     """All-to-all-v of the rows of ``x``: row block i goes to rank i (``input_split_sizes``),
     block j of the output came from rank j (``output_split_sizes``); ``None`` = even split.
-    Backward is the reverse all-to-all."""
+    Backward is the reverse all-to-all. ``empty`` allocates the outputs (see ``all_to_all_rows``)."""
     if group_size(group) == 1:
         return x
-    return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats, all_to_all_rows)
+    raw = all_to_all_rows if empty is None else functools.partial(all_to_all_rows, empty=empty)
+    return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats, raw)
 
 
 def all_to_all_blocks(x: torch.Tensor, group, out_blocks: Sequence[Sequence[int]],
-                      in_blocks: Sequence[Sequence[int]], stats: CommStats | None = None) -> torch.Tensor:
+                      in_blocks: Sequence[Sequence[int]], stats: CommStats | None = None,
+                      empty: EmptyFn | None = None) -> torch.Tensor:
     """All-to-all-v in row blocks (see ``all_to_all_blocks_rows``): block b's rows go to the
     peers as ``in_blocks[b]`` says and come back as output block b, so the output can be
     laid out block-major (e.g. local-expert-major) with no regrouping copy afterwards.
@@ -372,7 +385,8 @@ def all_to_all_blocks(x: torch.Tensor, group, out_blocks: Sequence[Sequence[int]
     if group_size(group) == 1:
         return x
     as_t = lambda bs: tuple(tuple(int(v) for v in b) for b in bs)   # noqa: E731
-    return _AllToAll.apply(x, group, as_t(out_blocks), as_t(in_blocks), stats, all_to_all_blocks_rows)
+    raw = all_to_all_blocks_rows if empty is None else functools.partial(all_to_all_blocks_rows, empty=empty)
+    return _AllToAll.apply(x, group, as_t(out_blocks), as_t(in_blocks), stats, raw)
 
 
 def _tuple(sizes: Sequence[int] | None) -> tuple[int, ...] | None:

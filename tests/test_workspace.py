@@ -1,0 +1,111 @@
+"""The CPU buffer pool (moepar_kernels.workspace): a buffer is handed out again only when
+nothing else references its storage (tensors, views, tensors saved for backward), sizes
+and eviction, and the MoE layer's results unchanged by reuse across steps."""
+import pytest
+import torch
+
+from moepar.moe.layer import MoE
+from moepar_kernels import workspace
+from moepar_kernels.workspace import CpuBufferPool
+
+MiB = 1 << 20
+
+
+def ptr(t):
+    return t.untyped_storage().data_ptr()
+
+
+def test_buffer_is_reused_only_when_nothing_references_it():
+    pool = CpuBufferPool()
+    a = pool.empty((MiB // 4,), torch.float32)
+    a_ptr = ptr(a)
+    b = pool.empty((MiB // 4,), torch.float32)
+    assert ptr(b) != a_ptr                      # a is alive
+    v = a[10:20]
+    del a
+    c = pool.empty((MiB // 4,), torch.float32)
+    assert ptr(c) not in (a_ptr, ptr(b))        # a's view is alive
+    del v
+    d = pool.empty((256, 1024), torch.float32)  # same bytes, another shape
+    assert ptr(d) == a_ptr and d.shape == (256, 1024)
+    assert pool.stats()["buffers"] == 3 and pool.stats()["hits"] == 1
+
+
+def test_tensor_saved_for_backward_keeps_its_buffer():
+    pool = CpuBufferPool()
+    a = pool.empty((1024, 256), torch.float32).copy_(torch.randn(1024, 256))
+    expected = a.clone()
+    w = torch.randn(256, requires_grad=True)
+    loss = (a * w).sum()                        # autograd saves a for w's gradient
+    a_ptr = ptr(a)
+    del a
+    other = pool.empty((1024, 256), torch.float32)
+    assert ptr(other) != a_ptr
+    other.fill_(123.0)
+    (gw,) = torch.autograd.grad(loss, w)
+    torch.testing.assert_close(gw, expected.sum(0))
+    del loss, gw
+    assert ptr(pool.empty((1024, 256), torch.float32)) == a_ptr   # graph freed: reusable
+
+
+def test_sizes_round_up_and_free_buffers_up_to_twice_the_request_are_taken():
+    pool = CpuBufferPool()
+    x = pool.empty((3 * MiB // 2,), torch.uint8)                  # 1.5 MiB: its own size class
+    assert pool.stats()["held_bytes"] == 3 * MiB // 2
+    y = pool.empty((3 * MiB // 2 + 1,), torch.uint8)              # rounded up to 1.75 MiB
+    assert pool.stats()["held_bytes"] == 3 * MiB // 2 + 7 * MiB // 4
+    x_ptr = ptr(x)
+    del x, y
+    z = pool.empty((MiB,), torch.uint8)                           # the smallest free buffer >= 1 MiB
+    assert ptr(z) == x_ptr
+    del z
+    pool.empty((MiB // 2,), torch.uint8)                          # 1.5 MiB > 2 x 0.5 MiB: a new one
+    assert pool.stats()["buffers"] == 3
+
+
+def test_free_bytes_are_capped_and_release_forgets_everything():
+    pool = CpuBufferPool(max_free_bytes=2 * MiB)
+    held = [pool.empty((MiB,), torch.uint8) for _ in range(4)]
+    del held
+    assert pool.stats()["free_bytes"] == 4 * MiB
+    keep = pool.empty((8 * MiB,), torch.uint8)                     # a miss: evicts down to the cap
+    assert pool.stats()["free_bytes"] == 2 * MiB
+    pool.release()
+    assert pool.stats()["buffers"] == 0
+    assert keep.numel() == 8 * MiB
+
+
+def test_module_level_empty_small_cuda_and_disabled(monkeypatch):
+    monkeypatch.setattr(workspace, "MIN_BYTES", MiB)
+    before = workspace.stats()["misses"] + workspace.stats()["hits"]
+    small = workspace.empty((10, 10), torch.float32)
+    assert small.shape == (10, 10)
+    assert workspace.stats()["misses"] + workspace.stats()["hits"] == before
+    monkeypatch.setenv("MOEPAR_CPU_BUFFER_POOL", "0")
+    workspace.empty((MiB,), torch.float32)
+    assert workspace.stats()["misses"] + workspace.stats()["hits"] == before
+    monkeypatch.delenv("MOEPAR_CPU_BUFFER_POOL")
+    workspace.empty((MiB,), torch.float32)
+    assert workspace.stats()["misses"] + workspace.stats()["hits"] == before + 1
+
+
+@pytest.mark.parametrize("pool", ["1", "0"])
+def test_layer_outputs_and_grads_survive_later_steps(monkeypatch, pool):
+    """Step 1's output and gradients, still held, are unchanged by steps 2 and 3 (which
+    would reuse their buffers if the pool ignored live references), and every step
+    equals the same step with the pool off."""
+    monkeypatch.setenv("MOEPAR_CPU_BUFFER_POOL", pool)
+    monkeypatch.setattr(workspace, "MIN_BYTES", 0)
+    torch.manual_seed(0)
+    moe = MoE(32, 4, 1, k=2, ffn_hidden=48, init_seed=3)
+    xs = [torch.randn(64, 32, requires_grad=True) for _ in range(3)]
+    outs = []
+    for x in xs:
+        y = moe(x)
+        gx, gw1 = torch.autograd.grad(y.square().sum(), [x, moe.experts.w1])
+        outs.append((y, gx, gw1, y.detach().clone(), gx.clone(), gw1.clone()))
+    for y, gx, gw1, y0, gx0, gw10 in outs:
+        assert torch.equal(y.detach(), y0) and torch.equal(gx, gx0) and torch.equal(gw1, gw10)
+    monkeypatch.setenv("MOEPAR_CPU_BUFFER_POOL", "0")
+    y = moe(xs[1])
+    torch.testing.assert_close(y, outs[1][0], rtol=0, atol=0)
