@@ -1,9 +1,13 @@
 """moepar: an expert-parallel Mixture-of-Experts layer for PyTorch.
 
 Public names: ``MoE``, ``aux_loss``, ``TopKRouter``, ``Routing``, ``GroupedExperts``,
-``init_parallel`` and the parallel building blocks. ``moepar.checkpoint`` and
+``init_parallel`` and the parallel building blocks; ``release_cpu_buffers`` and
+``cpu_buffer_stats`` for the CPU buffer pool (docs/moe.md). ``moepar.checkpoint`` and
 ``moepar.cost`` are imported on demand.
 """
+from moepar_kernels.workspace import release as release_cpu_buffers
+from moepar_kernels.workspace import stats as cpu_buffer_stats
+
 from .moe.experts import GroupedExperts
 from .moe.layer import MoE, MoEStats, aux_loss
 from .moe.router import Routing, TopKRouter
@@ -14,4 +18,5 @@ from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, V
 __version__ = "0.1.0"
 __all__ = ["MoE", "MoEStats", "aux_loss", "TopKRouter", "Routing", "GroupedExperts", "ColumnParallelLinear",
            "ParallelState", "RowParallelLinear", "VocabParallelEmbedding", "allreduce_gradients",
-           "clip_grad_norm_", "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy"]
+           "clip_grad_norm_", "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy",
+           "release_cpu_buffers", "cpu_buffer_stats"]

@@ -75,7 +75,15 @@ def test_free_bytes_are_capped_and_release_forgets_everything():
     assert keep.numel() == 8 * MiB
 
 
-def test_module_level_empty_small_cuda_and_disabled(monkeypatch):
+def test_public_names_release_the_pool():
+    import moepar
+    keep = workspace.empty((MiB,), torch.float32)
+    assert moepar.cpu_buffer_stats()["held_bytes"] >= 4 * MiB
+    moepar.release_cpu_buffers()
+    assert moepar.cpu_buffer_stats()["held_bytes"] == 0 and keep.numel() == MiB
+
+
+def test_module_level_empty_small_and_disabled(monkeypatch):
     monkeypatch.setattr(workspace, "MIN_BYTES", MiB)
     before = workspace.stats()["misses"] + workspace.stats()["hits"]
     small = workspace.empty((10, 10), torch.float32)
