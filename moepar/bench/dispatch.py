@@ -41,10 +41,12 @@ from moepar.parallel import groups
 
 
 def _timed_rounds(fns: dict, rounds: int, warmup: int) -> dict[str, float]:
-    """Median over rounds of the slowest rank's seconds, candidates interleaved."""
+    """Median over rounds of the slowest rank's seconds, candidates interleaved (in reverse
+    order every other round)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
+    order = list(fns.items())
     for r in range(warmup + rounds):
-        for name, fn in fns.items():
+        for name, fn in (order if r % 2 == 0 else order[::-1]):
             dist.barrier()
             t0 = time.perf_counter()
             fn()

@@ -80,12 +80,16 @@ def _rounds(fns: dict, rounds: int, warmup: int, device, clock: str = "wall"
     """(median seconds, median minor page faults) per candidate; candidates interleaved within each round. ``clock``
     "cpu" counts this process's CPU seconds (all threads, user + system) instead of wall
     time: steadier on a machine shared with other jobs, where wall time mostly measures
-    the scheduler (it equals threads x wall on an idle machine with busy threads)."""
+    the scheduler (it equals threads x wall on an idle machine with busy threads). The
+    order of the candidates is reversed every other round."""
     now = time.perf_counter if clock == "wall" else time.process_time
     times: dict[str, list[float]] = {k: [] for k in fns}
     faults: dict[str, list[int]] = {k: [] for k in fns}
+    order = list(fns.items())
     for r in range(warmup + rounds):
-        for name, fn in fns.items():
+        # Every other round in reverse order, so that no candidate always follows the same one
+        # (the one before leaves its heap, caches and frequency state behind).
+        for name, fn in (order if r % 2 == 0 else order[::-1]):
             sync(device)
             f0 = _minor_faults()
             t0 = now()

@@ -59,12 +59,17 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, idx, inv):
         ctx.save_for_backward(inv)
-        return x.index_select(0, idx)
+        return _gather_rows(x, idx)
 
     @staticmethod
     def backward(ctx, g):
         (inv,) = ctx.saved_tensors
-        return g.index_select(0, inv), None, None
+        return _gather_rows(g, inv), None, None
+
+
+def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[idx] into a buffer from the CPU pool (``workspace``)."""
+    return torch.index_select(x, 0, idx, out=workspace.empty_like_rows(x, idx.shape[0]))
 
 
 @dataclasses.dataclass
