@@ -167,6 +167,7 @@ def test_dispatch_bench_on_two_gloo_ranks():
     (row,) = out["dispatch"]
     assert row["ep"] == 2 and row["correct"] is True
     assert row["dispatch_ms"] > 0 and row["raw_ms"] > 0 and row["bytes_per_rank_max"] > 0
+    assert row["passes_ms"] > 0 and row["counts_ms"] > 0
     (layer,) = out["layer"]
     assert layer["moepar_ms"] > 0 and layer["load_max_over_mean"] > 1.2
     assert ("ratio" in layer) == deepspeed_status()[0]

@@ -13,6 +13,8 @@ For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp 
   gradients to x and to the routing weights), i.e. 4 token all-to-alls + 1 counts exchange;
 * **raw all-to-all**: ``dist.all_to_all_single`` of exactly the same splits and bytes, the
   same 4 calls, on preallocated buffers (the pure cost of moving the tokens);
+* where the difference goes: the local passes alone (permute + unpermute forward and
+  backward on the same routes, no communication) and the counts exchange alone;
 * with ``--layer`` (default on), the whole layer step (router, dispatch, experts, combine,
   forward + backward) with skewed routing (busiest expert 2.5x the mean load) against
   DeepSpeed-MoE's step (drop_tokens=False, same weights) when deepspeed is importable.
@@ -38,6 +40,7 @@ from moepar.bench.local import _machine, random_routes
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status
 from moepar.moe.layer import MoE
 from moepar.parallel import groups
+from moepar_kernels.permute import permute, unpermute
 
 
 def _timed_rounds(fns: dict, rounds: int, warmup: int) -> dict[str, float]:
@@ -93,14 +96,27 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
         dist.all_to_all_single(b_recv, a_send, recv, send, group=group)   # combine backward
         dist.all_to_all_single(b_send, a_recv, send, recv, group=group)   # dispatch backward
 
-    secs = _timed_rounds({"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw},
-                         rounds, warmup)
+    # Where the difference goes: the dispatcher's local passes alone (permute, unpermute and
+    # their backward on the same routes, in the same row order, no communication) and the
+    # counts exchange alone.
+    L = E // ep
+    key = ids if meta.blocks is None else (ids % L) * ep + torch.div(ids, L, rounding_mode="floor")
+
+    def passes():
+        x_p, _, row_map = permute(x, key, None, E)
+        torch.autograd.grad(unpermute(x_p, row_map, w, T), [x, w], g)
+
+    zeros_E = torch.zeros(E, dtype=torch.int64)
+    fns = {"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw, "passes": passes,
+           "counts": lambda: disp._exchange_counts(zeros_E, D, x.dtype, None, None)}
+    secs = _timed_rounds(fns, rounds, warmup)
     nbytes = torch.tensor([2 * (S + R) * D * 4], dtype=torch.int64)
     dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
     ratio = secs["dispatch+combine"] / secs["raw all_to_all_single"]
     return {"config": cfg_name, "ep": ep, "T": T, "D": D, "E": E, "K": K, "correct": ok,
             "bytes_per_rank_max": int(nbytes), "dispatch_ms": secs["dispatch+combine"] * 1e3,
             "raw_ms": secs["raw all_to_all_single"] * 1e3, "ratio": ratio,
+            "passes_ms": secs["passes"] * 1e3, "counts_ms": secs["counts"] * 1e3,
             "a2a": "per local expert" if meta.blocks is not None else "one + regroup" if meta.regroup is not None
             else "one"}
 
@@ -212,7 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                 print("\ndispatch + combine (forward + backward, identity experts) vs raw all_to_all_single "
                       "of the same splits (4 calls):")
                 print(format_table(out["dispatch"], ["config", "ep", "T", "D", "K", "E", "bytes_per_rank_max",
-                                                     "a2a", "dispatch_ms", "raw_ms", "ratio", "correct"]))
+                                                     "a2a", "dispatch_ms", "raw_ms", "ratio", "passes_ms",
+                                                     "counts_ms", "correct"]))
+                print("passes_ms: the local passes alone (permute + unpermute, forward + backward, no "
+                      "communication); counts_ms: the counts exchange alone. dispatch ~ raw + passes + counts.")
             if out["layer"]:
                 print(f"\nwhole layer step (config {args.layer_config}, skewed routing) vs DeepSpeed-MoE "
                       f"(drop_tokens=False):")
