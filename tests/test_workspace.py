@@ -117,3 +117,45 @@ def test_layer_outputs_and_grads_survive_later_steps(monkeypatch, pool):
     monkeypatch.setenv("MOEPAR_CPU_BUFFER_POOL", "0")
     y = moe(xs[1])
     torch.testing.assert_close(y, outs[1][0], rtol=0, atol=0)
+
+
+def _ep_steps_hold_outputs(blocked: str):
+    """ep=2 layer, three steps whose outputs and input gradients are all kept: with the
+    pool (every buffer pooled) each equals the same step with the pool off."""
+    import os
+
+    from moepar.parallel import init_parallel
+    os.environ["MOEPAR_BLOCKED_A2A"] = blocked
+    from moepar.moe import dispatcher
+    saved_min = dispatcher.BLOCKED_MIN_BLOCK_BYTES
+    dispatcher.BLOCKED_MIN_BLOCK_BYTES = 0          # tiny shapes: still take the blocked form
+    try:
+        state = init_parallel(1, 2, verbose=False)
+        moe = MoE(16, 8, 2, k=2, ffn_hidden=24, init_seed=5, state=state)
+        gen = torch.Generator().manual_seed(state.ep_rank)
+        xs = [torch.randn(20 + 7 * i, 16, generator=gen).requires_grad_(True) for i in range(3)]
+        held = []
+        for x in xs:
+            y = moe(x)
+            (gx,) = torch.autograd.grad(y.square().sum(), [x])
+            held.append((y, gx, y.detach().clone(), gx.clone()))
+        same = all(torch.equal(y.detach(), y0) and torch.equal(gx, gx0) for y, gx, y0, gx0 in held)
+        os.environ["MOEPAR_CPU_BUFFER_POOL"] = "0"
+        diffs = []
+        for x, (y, gx, _, _) in zip(xs, held):
+            y2 = moe(x)
+            (gx2,) = torch.autograd.grad(y2.square().sum(), [x])
+            diffs.append(max(float((y2 - y).abs().max()), float((gx2 - gx).abs().max())))
+        return same, max(diffs), workspace.stats()["hits"] > 0
+    finally:
+        os.environ.pop("MOEPAR_CPU_BUFFER_POOL", None)
+        os.environ.pop("MOEPAR_BLOCKED_A2A", None)
+        dispatcher.BLOCKED_MIN_BLOCK_BYTES = saved_min
+
+
+@pytest.mark.parametrize("blocked", ["1", "0"])
+def test_expert_parallel_steps_with_pooled_all_to_all_buffers(blocked):
+    from .multiproc import run_ranks
+    for same, diff, reused in run_ranks(_ep_steps_hold_outputs, 2, blocked):
+        assert same and reused
+        assert diff == 0.0
