@@ -65,41 +65,61 @@ def test_layouts_match_single_process(world, tp, ep, etp):
     _assert_close(run_ranks(_compare, world, tp, ep, etp, VARIANTS))
 
 
-def _compare_dispatch_path(blocked, *args):
-    """_compare with the blocked all-to-all (one per local expert) forced on or off;
-    returns whether it ran, with _compare's results."""
+_PATHS = {  # mode: (MOEPAR_BLOCKED_A2A, MOEPAR_SOURCE_MAJOR, SOURCE_MAJOR_MIN_LOCAL)
+    "blocked": ("1", "1", 8),          # 2 local experts: blocked wins over source-major
+    "regroup": ("0", "0", 8),          # one all-to-all + regroup (what NCCL uses)
+    "source": ("0", "1", 8),           # one all-to-all, rows left source-major
+    "source-over-blocked": ("1", "1", 2),
+}
+
+
+def _compare_dispatch_path(mode, *args):
+    """_compare with the token exchange forced into one form; returns (per-expert calls
+    used, regroup used) with _compare's results."""
     import os
     from moepar.moe import dispatcher
     from moepar.parallel import comm
-    old_env, old_min = os.environ.get("MOEPAR_BLOCKED_A2A"), dispatcher.BLOCKED_MIN_BLOCK_BYTES
-    old_fn, calls = comm.all_to_all_blocks, []
+    blocked_env, source_env, min_local = _PATHS[mode]
+    saved_env = {k: os.environ.get(k) for k in ("MOEPAR_BLOCKED_A2A", "MOEPAR_SOURCE_MAJOR")}
+    old = (dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL, comm.all_to_all_blocks,
+           dispatcher._regroup_index)
+    blocks, regroups = [], []
 
-    def counting(*a, **kw):
-        calls.append(1)
-        return old_fn(*a, **kw)
-    os.environ["MOEPAR_BLOCKED_A2A"] = "1" if blocked else "0"
+    def counting_blocks(*a, **kw):
+        blocks.append(1)
+        return old[2](*a, **kw)
+
+    def counting_regroup(*a, **kw):
+        regroups.append(1)
+        return old[3](*a, **kw)
+    os.environ.update(MOEPAR_BLOCKED_A2A=blocked_env, MOEPAR_SOURCE_MAJOR=source_env)
     dispatcher.BLOCKED_MIN_BLOCK_BYTES = 0          # tiny test tensors: force the blocked form
-    comm.all_to_all_blocks = counting
+    dispatcher.SOURCE_MAJOR_MIN_LOCAL = min_local
+    comm.all_to_all_blocks, dispatcher._regroup_index = counting_blocks, counting_regroup
     try:
         results = _compare(*args)
-        return bool(calls), results
+        return bool(blocks), bool(regroups), results
     finally:
-        comm.all_to_all_blocks, dispatcher.BLOCKED_MIN_BLOCK_BYTES = old_fn, old_min
-        if old_env is None:
-            del os.environ["MOEPAR_BLOCKED_A2A"]
-        else:
-            os.environ["MOEPAR_BLOCKED_A2A"] = old_env
+        (dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL, comm.all_to_all_blocks,
+         dispatcher._regroup_index) = old
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
-@pytest.mark.parametrize("blocked", [True, False])
+@pytest.mark.parametrize("mode", list(_PATHS))
 @pytest.mark.parametrize("world,tp,ep,etp,uneven", [(4, 1, 2, 1, False), (4, 2, 2, 1, False), (4, 1, 2, 1, True)])
-def test_blocked_and_regrouped_dispatch_both_match(blocked, world, tp, ep, etp, uneven):
+def test_every_token_exchange_form_matches(mode, world, tp, ep, etp, uneven):
     # Two local experts per rank on gloo: the blocked all-to-all (forced on for these tiny
-    # tensors) and the single all-to-all + regroup (what NCCL uses) must both equal the
-    # single-process layer, also with 5, 0, 3, 7 tokens on the four ranks.
-    out = run_ranks(_compare_dispatch_path, world, blocked, tp, ep, etp, VARIANTS[:4], uneven)
-    assert all(used == blocked for used, _ in out)
-    _assert_close([r for _, r in out])
+    # tensors), the single all-to-all + regroup, and the single all-to-all whose rows the
+    # experts take source-major must all equal the single-process layer, also with 5, 0,
+    # 3, 7 tokens on the four ranks.
+    out = run_ranks(_compare_dispatch_path, world, mode, tp, ep, etp, VARIANTS[:4], uneven)
+    assert all(used == (mode == "blocked") for used, _, _ in out)
+    assert all(regrouped == (mode == "regroup") for _, regrouped, _ in out)
+    _assert_close([r for _, _, r in out])
 
 
 @pytest.mark.parametrize("world,tp,ep,etp", [(4, 1, 4, 1), (4, 2, 2, 2)])

@@ -6,9 +6,11 @@ experts, S/R rows this rank sends/receives (its routes, its experts' rows).
 
 For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp = W/ep):
 
-* **dispatch + combine**: the real ``Dispatcher`` forward and backward with identity experts
+* **dispatch + combine**: the real ``Dispatcher`` forward and backward with identity experts,
+  as the MoE layer calls it (``source_major=True``: its experts take the rows source-major)
   (permute, the counts all-to-all, the token all-to-all S*D*b — on gloo one call per local
-  expert, else one call and a local regroup, column "a2a" — the
+  expert for 2-7 local experts, else one call whose rows stay source-major; with NCCL one
+  call and a local regroup; column "a2a" — the
   inverse of each on the way back, the weighted unpermute; backward: 2 token all-to-alls,
   gradients to x and to the routing weights), i.e. 4 token all-to-alls + 1 counts exchange;
 * **raw all-to-all**: ``dist.all_to_all_single`` of exactly the same splits and bytes, the
@@ -74,7 +76,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
     g = torch.randn(T, D, generator=gen)
 
     def dispatch_combine():
-        x_local, meta = disp.dispatch(x, ids, None, w, None)
+        x_local, meta = disp.dispatch(x, ids, None, w, None, source_major=True)
         y = disp.combine(x_local, meta)                  # identity experts
         return torch.autograd.grad(y, [x, w], g), y
 
@@ -83,7 +85,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
     ok = bool(torch.allclose(y, x * w.sum(1, keepdim=True), atol=1e-5)
               and torch.allclose(gx, g * w.sum(1, keepdim=True), atol=1e-5)
               and torch.allclose(gw, (g * x).sum(1, keepdim=True).expand_as(w), atol=1e-4))
-    _, meta = disp.dispatch(x.detach(), ids, None, w.detach(), None)
+    _, meta = disp.dispatch(x.detach(), ids, None, w.detach(), None, source_major=True)
     send, recv = list(meta.send_splits), list(meta.recv_splits)
     S, R = sum(send), sum(recv)
     group = state.ep_group
@@ -118,7 +120,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
             "raw_ms": secs["raw all_to_all_single"] * 1e3, "ratio": ratio,
             "passes_ms": secs["passes"] * 1e3, "counts_ms": secs["counts"] * 1e3,
             "a2a": "per local expert" if meta.blocks is not None else "one + regroup" if meta.regroup is not None
-            else "one"}
+            else "one, source-major" if meta.segment_experts is not None else "one"}
 
 
 def bench_layer_step(cfg_name: str, ep: int, state, rounds: int, warmup: int, tokens: int | None) -> dict:

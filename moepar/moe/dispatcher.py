@@ -46,6 +46,9 @@ BLOCKED_MAX_LOCAL = 16
 # ... and only when the EP group's mean bytes per (rank, local expert) block reach this:
 # below it the extra calls' latency costs more than the regroup pass saves (measured, docs/bench.md).
 BLOCKED_MIN_BLOCK_BYTES = 1 << 20
+# With a caller that takes source-major rows, they replace the blocked all-to-all from this
+# many local experts on (measured, docs/bench.md).
+SOURCE_MAJOR_MIN_LOCAL = 8
 
 
 def check_finite_enabled() -> bool:
@@ -88,6 +91,10 @@ class DispatchMeta:
     capacity: int | None                 # per-expert slots when padded, else None
     token_sizes: list[int] | None = None  # TP shares of the tokens (dropless coordinated dispatch)
     blocks: tuple | None = None          # (recv per local expert [L][P], send [L][P]): blocked all-to-all
+    # Source-major rows (``dispatch(..., source_major=True)``): block i of x_local has
+    # segment_counts[i] rows for local expert segment_experts[i]; None = expert-major.
+    segment_experts: tuple | None = None
+    segment_counts: list[int] | None = None
 
 
 class Dispatcher:
@@ -148,8 +155,14 @@ class Dispatcher:
         raise ValueError(error)
 
     def dispatch(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
-                 weights_TK: torch.Tensor, capacity: int | None = None) -> tuple[torch.Tensor, DispatchMeta]:
+                 weights_TK: torch.Tensor, capacity: int | None = None, source_major: bool = False
+                 ) -> tuple[torch.Tensor, DispatchMeta]:
         """Rows for this rank's local experts, expert-major, and the meta to combine.
+
+        ``source_major=True``: the caller can take the rows as they arrive, source-rank-major
+        (``meta.segment_experts``/``segment_counts`` name each block's local expert; see
+        GroupedExperts' ``segment_experts``). Where the rows would otherwise be regrouped or
+        sent in many per-expert calls (``_source_major``), that is then skipped.
 
         Dropless (``capacity=None``): with a TP group, each TP rank dispatches only its
         near-even share of the (replicated) tokens. Padded (``capacity`` = slots per expert):
@@ -159,6 +172,7 @@ class Dispatcher:
         """
         T, D = x_TD.shape
         E, L, P = self.num_experts, self.num_local, self.ep
+        keep_source = False
         if check_finite_enabled():
             flag = torch.tensor([0 if bool(torch.isfinite(x_TD).all()) else 1])
             if dist.is_available() and dist.is_initialized():
@@ -205,6 +219,8 @@ class Dispatcher:
                 counts_PL = recv[:, :L]
                 block_bytes = int(recv[:, L + 4].sum()) * D * x_TD.element_size() / (P * L)
                 blocked = self._blocked(x_TD) and block_bytes >= BLOCKED_MIN_BLOCK_BYTES
+                if source_major and self._source_major(blocked):
+                    blocked, keep_source = False, True
             key_TK = expert_ids_TK
             if blocked:
                 # Rows in (local expert, peer) order, so that each local expert's all-to-all
@@ -236,12 +252,16 @@ class Dispatcher:
             counts_SL = mats.view(self.etp * P, L)
             etp_sizes = mats.view(self.etp, P * L).sum(1).tolist()
             x_recv = comm.gather_from_sequence_region(x_recv, self.etp_group, 0, etp_sizes, stats=self.stats)
-        regroup = None
+        regroup = segments = None
         if counts_SL.shape[0] > 1 and L > 1 and blocks is None:   # one local expert: source-major is expert-major
-            regroup = _regroup_index(counts_SL, x_recv.device)
-            x_recv = _PermuteRows.apply(x_recv, *regroup)
+            if keep_source:
+                segments = (tuple(range(L)) * counts_SL.shape[0], counts_SL.reshape(-1).tolist())
+            else:
+                regroup = _regroup_index(counts_SL, x_recv.device)
+                x_recv = _PermuteRows.apply(x_recv, *regroup)
         meta = DispatchMeta(T, row_map, weights_TK, send, recv_, etp_sizes, regroup,
-                            counts_SL.sum(0), counts_SL, capacity, token_sizes, blocks)
+                            counts_SL.sum(0), counts_SL, capacity, token_sizes, blocks,
+                            *(segments or (None, None)))
         return x_recv, meta
 
     def combine(self, y_local: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
@@ -278,6 +298,19 @@ class Dispatcher:
         return (self.ep > 1 and self.etp == 1 and 1 < self.num_local <= BLOCKED_MAX_LOCAL
                 and x.device.type == "cpu" and dist.get_backend(self.ep_group) == "gloo"
                 and os.environ.get("MOEPAR_BLOCKED_A2A", "1") == "1")
+
+    def _source_major(self, blocked: bool) -> bool:
+        """Whether a caller that takes source-major rows gets them: on gloo (CPU), without
+        expert TP, with more than one local expert, except where the blocked all-to-all
+        applies to fewer than SOURCE_MAJOR_MIN_LOCAL local experts (a few large calls cost no
+        more than one; many smaller ones do, docs/bench.md). NCCL keeps expert-major rows (the
+        regroup is cheap in HBM and grouped_mm wants one block per expert).
+        ``MOEPAR_SOURCE_MAJOR=0`` turns it off."""
+        if os.environ.get("MOEPAR_SOURCE_MAJOR", "1") == "0" or self.ep == 1 or self.etp > 1 or self.num_local == 1:
+            return False
+        if dist.get_backend(self.ep_group) != "gloo":
+            return False
+        return not (blocked and self.num_local < SOURCE_MAJOR_MIN_LOCAL)
 
     def _small_device(self, x: torch.Tensor) -> torch.device:
         return torch.device("cpu") if dist.get_backend(self.etp_group) == "gloo" else x.device

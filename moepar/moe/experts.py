@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from moepar_kernels import workspace
 
-from .gemm import GEMM_PATHS, choose_gemm_path, make_gemm, path_supported, resolve_gemm_path  # noqa: F401
+from .gemm import GEMM_PATHS, _LoopGemm, choose_gemm_path, make_gemm, path_supported, resolve_gemm_path  # noqa: F401
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu")
@@ -82,17 +82,23 @@ class _ExpertsFunction(torch.autograd.Function):
     there, one elementwise pass; relu keeps its in-place output): half the [N, F] memory."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, b1, b2, b3, counts, path, activation):
+    def forward(ctx, x, w1, w2, w3, b1, b2, b3, counts, path, activation, segment_experts=None):
+        # segment_experts: row block i is for expert segment_experts[i] (any order, repeats
+        # allowed; the loop path with whole weights, see _LoopGemm); None: block e is expert e.
+        mapped = segment_experts is not None
+        touched: set = set()
         y = workspace.empty_like_rows(x, x.shape[0], w2.shape[2])
         saved = []
         for e0, e1, r0, r1 in _segments(counts, w1.shape[2] * x.element_size()):
             sl = slice(e0, e1)
-            gemm = make_gemm(path, counts[sl], x.device)
+            part = (lambda t: t) if mapped else (lambda t: _part(t, sl))   # noqa: E731
+            gemm = (_LoopGemm(counts[sl], segment_experts[sl], touched) if mapped
+                    else make_gemm(path, counts[sl], x.device))
             xg = gemm.pad(x[r0:r1])                      # [n', D]: a view except for padded bmm
-            h1 = gemm.fwd(xg, w1[sl], _part(b1, sl))     # [n', F]
+            h1 = gemm.fwd(xg, part(w1), part(b1))        # [n', F]
             h3 = None
             if activation == "swiglu":
-                h3 = gemm.fwd(xg, w3[sl], _part(b3, sl))
+                h3 = gemm.fwd(xg, part(w3), part(b3))
                 a = F.silu(h1).mul_(h3)
             elif activation == "gelu":
                 a = F.gelu(h1)
@@ -100,13 +106,13 @@ class _ExpertsFunction(torch.autograd.Function):
                 a = h1.relu_()
                 h1 = None
             if gemm.same_layout:
-                gemm.fwd(a, w2[sl], _part(b2, sl), out=y[r0:r1])
+                gemm.fwd(a, part(w2), part(b2), out=y[r0:r1])
             else:
-                torch.index_select(gemm.fwd(a, w2[sl], _part(b2, sl)), 0, gemm.dest, out=y[r0:r1])
+                torch.index_select(gemm.fwd(a, part(w2), part(b2)), 0, gemm.dest, out=y[r0:r1])
             saved.append((e0, e1, r0, r1, gemm, xg, h1, h3, a if activation == "relu" else None))
             del a
         ctx.save_for_backward(w1, w2, w3)
-        ctx.segments, ctx.activation = saved, activation
+        ctx.segments, ctx.activation, ctx.mapped, ctx.touched = saved, activation, mapped, touched
         ctx.has_b = (b1 is not None, b2 is not None, b3 is not None)
         return y
 
@@ -131,16 +137,17 @@ class _ExpertsFunction(torch.autograd.Function):
             # allocated, are returned before the gradients grow (lower peak memory).
             e0, e1, r0, r1, gemm, xg, h1, h3, a = segments.pop()
             sl = slice(e0, e1)
+            part = (lambda t: t) if ctx.mapped else (lambda t: _part(t, sl))   # noqa: E731
             gyg = gemm.pad(gy[r0:r1])
             if a is None:   # recompute the activation's output (gw2 needs it)
                 a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
             if gw2 is not None:
-                gemm.wgrad(a, gyg, out=gw2[sl])
+                gemm.wgrad(a, gyg, out=part(gw2))
             if gb2 is not None:
-                gemm.bias_grad(gyg, out=gb2[sl])
+                gemm.bias_grad(gyg, out=part(gb2))
             if act != "relu":
                 del a                                     # ga below can take its place
-            ga = gemm.dgrad(gyg, w2[sl])                  # [n', F]
+            ga = gemm.dgrad(gyg, part(w2))                # [n', F]
             del gyg
             gh3 = None
             if act == "swiglu":
@@ -154,28 +161,35 @@ class _ExpertsFunction(torch.autograd.Function):
             del h1, h3
             if need[0]:
                 dst = gx[r0:r1] if gemm.same_layout and gx is not None else None
-                dst = gemm.dgrad(gh1, w1[sl], out=dst)
+                dst = gemm.dgrad(gh1, part(w1), out=dst)
                 if gh3 is not None:
-                    gemm.dgrad(gh3, w3[sl], out=dst, acc=True)
+                    gemm.dgrad(gh3, part(w3), out=dst, acc=True)
                 if gx is None:
                     gx_first = (r0, r1, gemm.unpad(dst))
                 elif not gemm.same_layout:
                     torch.index_select(dst, 0, gemm.dest, out=gx[r0:r1])
             if gw1 is not None:
-                gemm.wgrad(xg, gh1, out=gw1[sl])
+                gemm.wgrad(xg, gh1, out=part(gw1))
             if gb1 is not None:
-                gemm.bias_grad(gh1, out=gb1[sl])
+                gemm.bias_grad(gh1, out=part(gb1))
             if gh3 is not None:
                 if gw3 is not None:
-                    gemm.wgrad(xg, gh3, out=gw3[sl])
+                    gemm.wgrad(xg, gh3, out=part(gw3))
                 if gb3 is not None:
-                    gemm.bias_grad(gh3, out=gb3[sl])
+                    gemm.bias_grad(gh3, out=part(gb3))
             del xg, ga, gh1, gh3
             if gx_first is not None:
                 gx = workspace.empty_like_rows(gy, gy.shape[0], w1.shape[1])
                 gx[gx_first[0]:gx_first[1]] = gx_first[2]
                 gx_first = None
-        return gx, gw1, gw2, gw3, gb1, gb2, gb3, None, None, None
+        if ctx.mapped:   # experts no block of rows went to: zero gradients
+            touched = ctx.touched
+            for t in (gw1, gw2, gw3, gb1, gb2, gb3):
+                if t is not None:
+                    for e in range(t.shape[0]):
+                        if (e, t.data_ptr()) not in touched:
+                            t[e].zero_()
+        return gx, gw1, gw2, gw3, gb1, gb2, gb3, None, None, None, None
 
 
 def check_counts(counts: list[int], num_local_experts: int, rows: int) -> list[int]:
@@ -298,7 +312,7 @@ class GroupedExperts(nn.Module):
                     t = t[lo:hi]
                 p[e].copy_(t)
 
-    def _counts(self, tokens_per_expert, x_ND: torch.Tensor) -> list[int]:
+    def _counts(self, tokens_per_expert, x_ND: torch.Tensor, num_blocks: int | None = None) -> list[int]:
         if isinstance(tokens_per_expert, torch.Tensor):
             if tokens_per_expert.dim() != 1 or tokens_per_expert.is_floating_point():
                 raise ValueError(f"tokens_per_expert must be a 1-D integer tensor, got "
@@ -306,7 +320,7 @@ class GroupedExperts(nn.Module):
             counts = tokens_per_expert.tolist()   # a host sync if it lives on the GPU
         else:
             counts = [int(c) for c in tokens_per_expert]
-        return check_counts(counts, self.num_local_experts, x_ND.shape[0])
+        return check_counts(counts, self.num_local_experts if num_blocks is None else num_blocks, x_ND.shape[0])
 
     def _check_input(self, x_ND: torch.Tensor) -> None:
         if not isinstance(x_ND, torch.Tensor) or x_ND.dim() != 2:
@@ -323,10 +337,17 @@ class GroupedExperts(nn.Module):
         """The GEMM path ``forward`` uses for these rows (``gemm_path`` unless "auto")."""
         return resolve_gemm_path(self.gemm_path, x_ND.device, x_ND.dtype, counts, self.hidden, self.ffn_local)
 
-    def forward(self, x_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert, segment_experts: Sequence[int] | None = None
+                ) -> torch.Tensor:
         """``y_ND [N, D]``: row block e (``tokens_per_expert[e]`` rows, expert-major) through
         local expert e. ``tokens_per_expert``: [E] int64 tensor (best on the CPU) or a list.
-        With ``etp_size > 1`` the result is this rank's partial sum and excludes b2."""
+        With ``etp_size > 1`` the result is this rank's partial sum and excludes b2.
+
+        ``segment_experts`` (optional): the rows are blocks in any order, block i
+        (``tokens_per_expert[i]`` rows) going through local expert ``segment_experts[i]``
+        (e.g. the source-rank-major rows of an all-to-all, which then need no regrouping
+        copy). Runs the loop GEMM path, one product per block on the expert's weights in
+        place, weight gradients accumulated per expert."""
         params = (self.w1, self.w2, self.w3, self.b1, self.b2 if self.etp_size == 1 else None, self.b3)
         dev = x_ND.device.type
         if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.w1.dtype:
@@ -336,11 +357,17 @@ class GroupedExperts(nn.Module):
             x_ND = x_ND.to(dt)
             params = tuple(None if p is None else p.to(dt) for p in params)
             with torch.autocast(dev, enabled=False):
-                return self._run(x_ND, tokens_per_expert, params)
+                return self._run(x_ND, tokens_per_expert, params, segment_experts)
         self._check_input(x_ND)
-        return self._run(x_ND, tokens_per_expert, params)
+        return self._run(x_ND, tokens_per_expert, params, segment_experts)
 
-    def _run(self, x_ND, tokens_per_expert, params) -> torch.Tensor:
+    def _run(self, x_ND, tokens_per_expert, params, segment_experts=None) -> torch.Tensor:
+        if segment_experts is not None:
+            seg = [int(e) for e in segment_experts]
+            if any(not 0 <= e < self.num_local_experts for e in seg):
+                raise ValueError(f"segment_experts={seg} must lie in [0, num_local_experts={self.num_local_experts})")
+            counts = self._counts(tokens_per_expert, x_ND, len(seg))
+            return _ExpertsFunction.apply(x_ND, *params, counts, "loop", self.activation, seg)
         if torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor):
             # Traced: the counts' host read happens inside a custom op (no graph break).
             from .experts_op import experts_fwd

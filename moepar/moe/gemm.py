@@ -23,16 +23,26 @@ GEMM_PATHS = ("auto", "grouped_mm", "loop", "bmm")
 # have ``same_layout`` and write straight into the caller's buffers).
 
 class _LoopGemm:
-    """One mm/addmm per non-empty expert, written into slices of one output buffer."""
+    """One mm/addmm per non-empty expert, written into slices of one output buffer.
+
+    ``experts`` (mapped mode): row block i belongs to expert ``experts[i]`` of the whole
+    weight tensors the caller passes, blocks in any order and an expert in several blocks
+    (source-rank-major rows). Weight and bias gradients then go into the caller's whole
+    buffers, written by an expert's first block and accumulated by its later ones;
+    ``touched`` (shared by the gemms of one call) records which experts were written, the
+    caller zeroes the others."""
     same_layout = True
 
-    def __init__(self, counts: Sequence[int]):
+    def __init__(self, counts: Sequence[int], experts: Sequence[int] | None = None,
+                 touched: set | None = None):
         self.E, self.N = len(counts), sum(counts)
         starts = [0]
         for c in counts[:-1]:
             starts.append(starts[-1] + c)
-        self.segs = [(e, s, c) for e, (s, c) in enumerate(zip(starts, counts)) if c > 0]
-        self.empty = [e for e, c in enumerate(counts) if c == 0]
+        idx = range(len(counts)) if experts is None else experts
+        self.segs = [(e, s, c) for e, s, c in zip(idx, starts, counts) if c > 0]
+        self.empty = [e for e, c in enumerate(counts) if c == 0] if experts is None else []
+        self.touched = touched if experts is not None else None
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -58,20 +68,28 @@ class _LoopGemm:
                 torch.mm(g[s:s + c], w[e].t(), out=out[s:s + c])
         return out
 
-    def _per_expert(self, out, fn):
+    def _per_expert(self, out, fn, acc_fn):
         for e, s, c in self.segs:
-            fn(s, c, out[e])
+            if self.touched is None:
+                fn(s, c, out[e])
+            elif (e, out.data_ptr()) in self.touched:
+                acc_fn(s, c, out[e])
+            else:
+                fn(s, c, out[e])
+                self.touched.add((e, out.data_ptr()))
         for e in self.empty:
             out[e].zero_()
         return out
 
     def wgrad(self, x, g, out=None):
         out = x.new_empty(self.E, x.shape[1], g.shape[1]) if out is None else out
-        return self._per_expert(out, lambda s, c, o: torch.mm(x[s:s + c].t(), g[s:s + c], out=o))
+        return self._per_expert(out, lambda s, c, o: torch.mm(x[s:s + c].t(), g[s:s + c], out=o),
+                                lambda s, c, o: o.addmm_(x[s:s + c].t(), g[s:s + c]))
 
     def bias_grad(self, g, out=None):
         out = g.new_empty(self.E, g.shape[1]) if out is None else out
-        return self._per_expert(out, lambda s, c, o: torch.sum(g[s:s + c], 0, out=o))
+        return self._per_expert(out, lambda s, c, o: torch.sum(g[s:s + c], 0, out=o),
+                                lambda s, c, o: o.add_(g[s:s + c].sum(0)))
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -188,12 +188,17 @@ class MoE(nn.Module):
         # Dropless routing drops nothing: passing no mask keeps the row count static (T*K),
         # which torch.compile can trace without a data-dependent shape.
         dropped = routing.dropped if routing.capacity is not None else None
-        x_local, meta = self.dispatcher.dispatch(x_TD, routing.expert_ids, dropped, routing.weights, capacity)
+        # Source-major rows (no regroup copy) when the experts can take them: not under
+        # torch.compile (its custom op takes expert-major rows) and without expert TP.
+        source_ok = self.etp == 1 and not torch.compiler.is_compiling()
+        x_local, meta = self.dispatcher.dispatch(x_TD, routing.expert_ids, dropped, routing.weights, capacity,
+                                                 source_major=source_ok)
+        counts, seg = ((meta.tokens_per_local_expert, None) if meta.segment_experts is None
+                       else (meta.segment_counts, meta.segment_experts))
         if self.checkpoint_experts and torch.is_grad_enabled():
-            y_local = torch.utils.checkpoint.checkpoint(self.experts, x_local, meta.tokens_per_local_expert,
-                                                        use_reentrant=False)
+            y_local = torch.utils.checkpoint.checkpoint(self.experts, x_local, counts, seg, use_reentrant=False)
         else:
-            y_local = self.experts(x_local, meta.tokens_per_local_expert)
+            y_local = self.experts(x_local, counts, seg)
         if self.etp > 1 and self.state.etp_rank == 0:  # partial sums: add the output bias once
             y_local = self.experts.add_output_bias(y_local, meta.tokens_per_local_expert)
         y_TD = self.dispatcher.combine(y_local, meta)
