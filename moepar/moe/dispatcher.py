@@ -14,14 +14,20 @@ The dispatcher keeps no state between calls: everything ``combine`` needs is in 
 
 Regroup. The token all-to-all delivers source-major rows (block s from EP peer s, inside it
 the peer's rows for each local expert); the grouped GEMM wants each local expert's rows
-contiguous. Two ways, same numbers:
+contiguous. Three ways, same numbers:
   * one all-to-all, then a local gather (``_regroup_index``) to expert-major, and its inverse
-    on the way back (NCCL, and whenever the blocked form does not apply);
+    on the way back (NCCL, padded capacity mode, and a caller that needs expert-major rows);
   * blocked (gloo on the CPU, dropless, no expert TP, 2..BLOCKED_MAX_LOCAL local experts):
     the sender permutes its rows in (local expert, peer) order and issues one all-to-all per
     local expert, each landing in that expert's contiguous block: no regroup passes (on this
     CPU a pass over the rows costs about as much as moving them; docs/bench.md).
-    ``MOEPAR_BLOCKED_A2A=0`` turns it off. Recorded as one all-to-all in the stats.
+    ``MOEPAR_BLOCKED_A2A=0`` turns it off. Recorded as one all-to-all in the stats;
+  * source-major (gloo, dropless, no expert TP, the caller passes ``source_major=True`` as
+    the MoE layer does): one all-to-all whose rows stay as they arrive, each (peer, local
+    expert) block named in ``meta.segment_experts``/``segment_counts`` for GroupedExperts'
+    ``segment_experts``. Used instead of the regroup, and instead of the blocked form from
+    SOURCE_MAJOR_MIN_LOCAL local experts on (many smaller calls cost more than one).
+    ``MOEPAR_SOURCE_MAJOR=0`` turns it off.
 """
 from __future__ import annotations
 
