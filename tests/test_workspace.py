@@ -119,13 +119,16 @@ def test_layer_outputs_and_grads_survive_later_steps(monkeypatch, pool):
     torch.testing.assert_close(y, outs[1][0], rtol=0, atol=0)
 
 
-def _ep_steps_hold_outputs(blocked: str):
+_EXCHANGE = {"blocked": ("1", "1"), "source-major": ("0", "1"), "regroup": ("0", "0")}
+
+
+def _ep_steps_hold_outputs(mode: str):
     """ep=2 layer, three steps whose outputs and input gradients are all kept: with the
     pool (every buffer pooled) each equals the same step with the pool off."""
     import os
 
     from moepar.parallel import init_parallel
-    os.environ["MOEPAR_BLOCKED_A2A"] = blocked
+    os.environ["MOEPAR_BLOCKED_A2A"], os.environ["MOEPAR_SOURCE_MAJOR"] = _EXCHANGE[mode]
     from moepar.moe import dispatcher
     saved_min = dispatcher.BLOCKED_MIN_BLOCK_BYTES
     dispatcher.BLOCKED_MIN_BLOCK_BYTES = 0          # tiny shapes: still take the blocked form
@@ -150,12 +153,13 @@ def _ep_steps_hold_outputs(blocked: str):
     finally:
         os.environ.pop("MOEPAR_CPU_BUFFER_POOL", None)
         os.environ.pop("MOEPAR_BLOCKED_A2A", None)
+        os.environ.pop("MOEPAR_SOURCE_MAJOR", None)
         dispatcher.BLOCKED_MIN_BLOCK_BYTES = saved_min
 
 
-@pytest.mark.parametrize("blocked", ["1", "0"])
-def test_expert_parallel_steps_with_pooled_all_to_all_buffers(blocked):
+@pytest.mark.parametrize("mode", list(_EXCHANGE))
+def test_expert_parallel_steps_with_pooled_all_to_all_buffers(mode):
     from .multiproc import run_ranks
-    for same, diff, reused in run_ranks(_ep_steps_hold_outputs, 2, blocked):
+    for same, diff, reused in run_ranks(_ep_steps_hold_outputs, 2, mode):
         assert same and reused
         assert diff == 0.0
