@@ -86,14 +86,12 @@ class _ExpertsFunction(torch.autograd.Function):
         # segment_experts: row block i is for expert segment_experts[i] (any order, repeats
         # allowed; the loop path with whole weights, see _LoopGemm); None: block e is expert e.
         mapped = segment_experts is not None
-        touched: set = set()
         y = workspace.empty_like_rows(x, x.shape[0], w2.shape[2])
         saved = []
         for e0, e1, r0, r1 in _segments(counts, w1.shape[2] * x.element_size()):
             sl = slice(e0, e1)
             part = (lambda t: t) if mapped else (lambda t: _part(t, sl))   # noqa: E731
-            gemm = (_LoopGemm(counts[sl], segment_experts[sl], touched) if mapped
-                    else make_gemm(path, counts[sl], x.device))
+            gemm = _LoopGemm(counts[sl], segment_experts[sl]) if mapped else make_gemm(path, counts[sl], x.device)
             xg = gemm.pad(x[r0:r1])                      # [n', D]: a view except for padded bmm
             h1 = gemm.fwd(xg, part(w1), part(b1))        # [n', F]
             h3 = None
@@ -112,7 +110,7 @@ class _ExpertsFunction(torch.autograd.Function):
             saved.append((e0, e1, r0, r1, gemm, xg, h1, h3, a if activation == "relu" else None))
             del a
         ctx.save_for_backward(w1, w2, w3)
-        ctx.segments, ctx.activation, ctx.mapped, ctx.touched = saved, activation, mapped, touched
+        ctx.segments, ctx.activation, ctx.mapped = saved, activation, mapped
         ctx.has_b = (b1 is not None, b2 is not None, b3 is not None)
         return y
 
@@ -131,6 +129,10 @@ class _ExpertsFunction(torch.autograd.Function):
         gb1 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b[0] and need[4] else None
         gb2 = w2.new_empty(w2.shape[0], w2.shape[2]) if has_b[1] and need[5] else None
         gb3 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b[2] and need[6] else None
+        if ctx.mapped:   # blocks accumulate into their expert's gradients (none: zero)
+            for t in (gw1, gw2, gw3, gb1, gb2, gb3):
+                if t is not None:
+                    t.zero_()
         segments, ctx.segments = ctx.segments, None
         while segments:
             # Last segment first, each freed once done: its intermediates, the most recently
@@ -182,13 +184,6 @@ class _ExpertsFunction(torch.autograd.Function):
                 gx = workspace.empty_like_rows(gy, gy.shape[0], w1.shape[1])
                 gx[gx_first[0]:gx_first[1]] = gx_first[2]
                 gx_first = None
-        if ctx.mapped:   # experts no block of rows went to: zero gradients
-            touched = ctx.touched
-            for t in (gw1, gw2, gw3, gb1, gb2, gb3):
-                if t is not None:
-                    for e in range(t.shape[0]):
-                        if (e, t.data_ptr()) not in touched:
-                            t[e].zero_()
         return gx, gw1, gw2, gw3, gb1, gb2, gb3, None, None, None, None
 
 
@@ -374,7 +369,7 @@ class GroupedExperts(nn.Module):
             return experts_fwd(x_ND, *params, tokens_per_expert, self.gemm_path, self.activation)
         counts = self._counts(tokens_per_expert, x_ND)
         path = self.resolve_gemm_path(x_ND, counts)
-        return _ExpertsFunction.apply(x_ND, *params, counts, path, self.activation)
+        return _ExpertsFunction.apply(x_ND, *params, counts, path, self.activation, None)
 
     def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """``y_ND`` plus b2 on each expert's row block (a no-op without bias). For the

@@ -27,22 +27,19 @@ class _LoopGemm:
 
     ``experts`` (mapped mode): row block i belongs to expert ``experts[i]`` of the whole
     weight tensors the caller passes, blocks in any order and an expert in several blocks
-    (source-rank-major rows). Weight and bias gradients then go into the caller's whole
-    buffers, written by an expert's first block and accumulated by its later ones;
-    ``touched`` (shared by the gemms of one call) records which experts were written, the
-    caller zeroes the others."""
+    (source-rank-major rows). Weight and bias gradients are then accumulated into the
+    caller's whole buffers, which the caller zeroes first."""
     same_layout = True
 
-    def __init__(self, counts: Sequence[int], experts: Sequence[int] | None = None,
-                 touched: set | None = None):
+    def __init__(self, counts: Sequence[int], experts: Sequence[int] | None = None):
         self.E, self.N = len(counts), sum(counts)
         starts = [0]
         for c in counts[:-1]:
             starts.append(starts[-1] + c)
         idx = range(len(counts)) if experts is None else experts
         self.segs = [(e, s, c) for e, s, c in zip(idx, starts, counts) if c > 0]
-        self.empty = [e for e, c in enumerate(counts) if c == 0] if experts is None else []
-        self.touched = touched if experts is not None else None
+        self.accumulate = experts is not None
+        self.empty = [] if self.accumulate else [e for e, c in enumerate(counts) if c == 0]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -70,13 +67,7 @@ class _LoopGemm:
 
     def _per_expert(self, out, fn, acc_fn):
         for e, s, c in self.segs:
-            if self.touched is None:
-                fn(s, c, out[e])
-            elif (e, out.data_ptr()) in self.touched:
-                acc_fn(s, c, out[e])
-            else:
-                fn(s, c, out[e])
-                self.touched.add((e, out.data_ptr()))
+            (acc_fn if self.accumulate else fn)(s, c, out[e])
         for e in self.empty:
             out[e].zero_()
         return out
