@@ -168,6 +168,7 @@ def test_dispatch_bench_on_two_gloo_ranks():
     assert row["ep"] == 2 and row["correct"] is True
     assert row["dispatch_ms"] > 0 and row["raw_ms"] > 0 and row["bytes_per_rank_max"] > 0
     assert row["passes_ms"] > 0 and row["counts_ms"] > 0
+    assert row["floor_ms"] > 0 and row["floor_ratio"] == row["floor_ms"] / row["raw_ms"]
     (layer,) = out["layer"]
     assert layer["moepar_ms"] > 0 and layer["load_max_over_mean"] > 1.2
     assert ("ratio" in layer) == deepspeed_status()[0]

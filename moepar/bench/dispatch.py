@@ -17,6 +17,14 @@ For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp 
   same 4 calls, on preallocated buffers (the pure cost of moving the tokens);
 * where the difference goes: the local passes alone (permute + unpermute forward and
   backward on the same routes, no communication) and the counts exchange alone;
+* **floor**: the same 4 calls plus the least local work that any dispatch over
+  ``all_to_all_single`` adds: each token copied to its K rows before each outbound call and
+  each token's K rows summed after each return call, on contiguous token-major buffers (no
+  gather, no weights, no counts exchange), and the rows for the rank's own experts kept out
+  of the calls. A collective takes one contiguous buffer, so a token routed K ways must be
+  written K times before it leaves and its K returned rows read and reduced; ``floor / raw``
+  is the lowest ratio a dispatch that moves the same bytes reaches on the machine
+  (docs/bench.md);
 * with ``--layer`` (default on), the whole layer step (router, dispatch, experts, combine,
   forward + backward) with skewed routing (busiest expert 2.5x the mean load) against
   DeepSpeed-MoE's step (drop_tokens=False, same weights) when deepspeed is importable.
@@ -108,17 +116,40 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
         x_p, _, row_map = permute(x, key, None, E)
         torch.autograd.grad(unpermute(x_p, row_map, w, T), [x, w], g)
 
+    # The floor: the 4 calls with the least local work (replicate and reduce, contiguous), the
+    # rows for this rank's own experts kept out of the calls (they need no copy through it).
+    me = dist.get_group_rank(group, rank)
+    send_o, recv_o = [0 if i == me else n for i, n in enumerate(send)], [0 if i == me else n for i, n in enumerate(recv)]
+    fl_send, fl_back = torch.empty(S, D), torch.empty(S, D)
+    fl_recv, fl_tok = torch.empty(R, D), torch.empty(T, D)
+    so, ro = sum(send_o), sum(recv_o)
+    xd = x.detach()
+
+    def floor():
+        for src in (xd, g):           # forward (x), then backward (the incoming gradient)
+            fl_send.view(T, K, D).copy_(src[:, None, :].expand(T, K, D))
+            dist.all_to_all_single(fl_recv[:ro], fl_send[:so], recv_o, send_o, group=group)
+            dist.all_to_all_single(fl_back[:so], fl_recv[:ro], send_o, recv_o, group=group)
+            torch.sum(fl_back.view(T, K, D), 1, out=fl_tok)
+
     zeros_E = torch.zeros(E, dtype=torch.int64)
     fns = {"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw, "passes": passes,
            "counts": lambda: disp._exchange_counts(zeros_E, D, x.dtype, None, None)}
+    if S == T * K:                    # dropless: every route is a row (always, with these routes)
+        fns["floor"] = floor
+        floor()                       # the round trip brings back exactly the rows sent
+        ok = ok and torch.equal(fl_back[:so], fl_send[:so])
     secs = _timed_rounds(fns, rounds, warmup)
     nbytes = torch.tensor([2 * (S + R) * D * 4], dtype=torch.int64)
     dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
     ratio = secs["dispatch+combine"] / secs["raw all_to_all_single"]
+    floor_ms = secs["floor"] * 1e3 if "floor" in secs else None
     return {"config": cfg_name, "ep": ep, "T": T, "D": D, "E": E, "K": K, "correct": ok,
             "bytes_per_rank_max": int(nbytes), "dispatch_ms": secs["dispatch+combine"] * 1e3,
             "raw_ms": secs["raw all_to_all_single"] * 1e3, "ratio": ratio,
             "passes_ms": secs["passes"] * 1e3, "counts_ms": secs["counts"] * 1e3,
+            "floor_ms": floor_ms,
+            "floor_ratio": floor_ms / (secs["raw all_to_all_single"] * 1e3) if floor_ms else None,
             "a2a": "per local expert" if meta.blocks is not None else "one + regroup" if meta.regroup is not None
             else "one, source-major" if meta.segment_experts is not None else "one"}
 
@@ -231,9 +262,13 @@ def main(argv: list[str] | None = None) -> int:
                       "of the same splits (4 calls):")
                 print(format_table(out["dispatch"], ["config", "ep", "T", "D", "K", "E", "bytes_per_rank_max",
                                                      "a2a", "dispatch_ms", "raw_ms", "ratio", "passes_ms",
-                                                     "counts_ms", "correct"]))
+                                                     "counts_ms", "floor_ms", "floor_ratio", "correct"]))
                 print("passes_ms: the local passes alone (permute + unpermute, forward + backward, no "
-                      "communication); counts_ms: the counts exchange alone. dispatch ~ raw + passes + counts.")
+                      "communication); counts_ms: the counts exchange alone. dispatch ~ raw + passes + counts.\n"
+                      "floor_ms: the same 4 calls plus the least local work any dispatch over all_to_all_single "
+                      "adds (copy each token to its K rows, sum K rows per token; contiguous, no gather, own rows "
+                      "kept out of the calls);\nfloor_ratio = floor_ms / raw_ms: the lowest ratio of a dispatch "
+                      "that moves the same bytes, on this machine.")
             if out["layer"]:
                 print(f"\nwhole layer step (config {args.layer_config}, skewed routing) vs DeepSpeed-MoE "
                       f"(drop_tokens=False):")
