@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import workspace
+from . import interpreter, workspace
 
 try:
     import triton
@@ -131,6 +131,7 @@ def _use_triton(t: torch.Tensor, impl: str) -> bool:
         if t.device.type != "cuda" and not _interpreting():
             raise ValueError(f"impl='triton' needs CUDA tensors (got {t.device}) or TRITON_INTERPRET=1 "
                              f"set before import; use impl='auto' or 'reference'")
+        interpreter.check()
         return True
     return triton is not None and t.device.type == "cuda"
 

@@ -25,6 +25,8 @@ from typing import Optional
 
 import torch
 
+from . import interpreter
+
 try:
     import triton
     import triton.language as tl
@@ -266,6 +268,7 @@ def routing(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
     if logits_TE.device.type != "cuda" and not _interpreting():
         raise ValueError(f"the routing kernel needs CUDA tensors (got {logits_TE.device}) "
                          f"or TRITON_INTERPRET=1 set before import; use routing_reference")
+    interpreter.check()
     if block_t is not None and (block_t < 1 or block_t & (block_t - 1)):
         raise ValueError(f"block_t={block_t} must be a positive power of two")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):

@@ -205,3 +205,23 @@ def test_bench_cpu_mode_and_gpu_check_logic(capsys):
         check = bench.verify(x, 4, "sigmoid", bias, True)
         assert check["ok"] and check["ids_mismatch_rows"] == 0 and check["hist_diff"] == 0
     assert bench.route_bytes(65536, 256, 8) == 65536 * 256 * 4 + 65536 * 8 * 12 + 256 * 8
+
+
+def test_interpreter_version_check(monkeypatch):
+    """Triton < 3.7's interpreter with NumPy >= 2.4 fails deep inside a launch; the launchers
+    name the pair and the fix instead, before any kernel runs."""
+    from moepar_kernels import interpreter
+    from moepar_kernels.permute import permute
+    assert interpreter.incompatibility("3.5.1", "2.4.6") is not None
+    assert "numpy<2.4" in interpreter.incompatibility("3.4.0", "2.4.0")
+    assert interpreter.incompatibility("3.5.1", "2.3.5") is None
+    assert interpreter.incompatibility("3.7.0", "2.4.6") is None
+    assert interpreter.incompatibility("3.9.0+git1234", "2.4.6") is None
+    monkeypatch.setattr(interpreter, "_checked", False)
+    monkeypatch.setattr(interpreter, "incompatibility", lambda t, n: f"triton {t} with numpy {n}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    logits = torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="triton .* with numpy"):
+        rk.routing(logits, 2)
+    with pytest.raises(RuntimeError, match="triton .* with numpy"):
+        permute(torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int64), None, 8, impl="triton")
