@@ -135,7 +135,9 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
     zeros_E = torch.zeros(E, dtype=torch.int64)
     fns = {"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw, "passes": passes,
            "counts": lambda: disp._exchange_counts(zeros_E, D, x.dtype, None, None)}
-    if S == T * K:                    # dropless: every route is a row (always, with these routes)
+    dense = torch.tensor([int(S == T * K)])   # dropless: every route is a row (always, here)
+    dist.all_reduce(dense, op=dist.ReduceOp.MIN)  # every rank runs the floor's calls, or none
+    if int(dense):
         fns["floor"] = floor
         floor()                       # the round trip brings back exactly the rows sent
         ok = ok and torch.equal(fl_back[:so], fl_send[:so])
