@@ -27,7 +27,6 @@ kernels on CUDA and the torch reference elsewhere; ``impl="triton"`` forces the 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -105,10 +104,6 @@ if triton is not None:
                      mask=tok_ok[:, None] & c_ok[None, :])
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -116,8 +111,8 @@ def _next_pow2(n: int) -> int:
 def _blocks(num_rows: int, D: int) -> tuple[int, int, int]:
     """(rows per program, D chunk, warps). ~4-8k elements a tile on a GPU; the
     interpreter pays per program and per op, not per element, so it gets big tiles."""
-    block_d = min(_next_pow2(max(D, 1)), 4096 if _interpreting() else 1024)
-    tile = 65536 if _interpreting() else (8192 if block_d >= 1024 else 4096)
+    block_d = min(_next_pow2(max(D, 1)), 4096 if interpreter.active() else 1024)
+    tile = 65536 if interpreter.active() else (8192 if block_d >= 1024 else 4096)
     block_n = max(1, min(tile // block_d, _next_pow2(max(num_rows, 1))))
     return block_n, block_d, 8 if block_d >= 1024 else 4
 
@@ -128,7 +123,7 @@ def _use_triton(t: torch.Tensor, impl: str) -> bool:
     if impl == "triton":
         if triton is None:
             raise ValueError("impl='triton' needs the triton package")
-        if t.device.type != "cuda" and not _interpreting():
+        if t.device.type != "cuda" and not interpreter.active():
             raise ValueError(f"impl='triton' needs CUDA tensors (got {t.device}) or TRITON_INTERPRET=1 "
                              f"set before import; use impl='auto' or 'reference'")
         interpreter.check()

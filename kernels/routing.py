@@ -20,7 +20,6 @@ Semantics (kernel and reference alike):
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -130,10 +129,6 @@ if triton is not None:
         tl.store(hist_ptr + pid.to(tl.int64) * E + cols, hist_E, mask=col_ok)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -164,7 +159,7 @@ def _check(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Opti
 
 def _block_t(E: int) -> int:
     block_e = _next_pow2(E)
-    if _interpreting():   # the interpreter pays per op, not per element: big tiles
+    if interpreter.active():   # the interpreter pays per op, not per element: big tiles
         return max(1, min(4096, (1 << 20) // block_e))
     return max(1, min(128, 4096 // block_e))   # ~4k fp32 per tile in registers
 
@@ -265,7 +260,7 @@ def routing(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
     if triton is None:
         raise ValueError("the routing kernel needs triton; use routing_reference instead")
     _check(logits_TE, k, score_func, expert_bias_E, MAX_EXPERTS, MAX_K)
-    if logits_TE.device.type != "cuda" and not _interpreting():
+    if logits_TE.device.type != "cuda" and not interpreter.active():
         raise ValueError(f"the routing kernel needs CUDA tensors (got {logits_TE.device}) "
                          f"or TRITON_INTERPRET=1 set before import; use routing_reference")
     interpreter.check()
