@@ -154,10 +154,15 @@ def test_routing_and_local_modes_emit_json(tmp_path, capsys):
     assert local["configs"][0]["N"] == 128
 
 
-def _dispatch_on_ranks():
+def _dispatch_on_ranks(dedup="auto"):
+    import os
     args = bench_dispatch.parse_args(["--ep", "2", "--configs", TINY, "--layer-config", TINY_SKEW,
-                                      "--rounds", "1", "--warmup", "0"])
-    return bench_dispatch.run(args)
+                                      "--rounds", "1", "--warmup", "0"] + (["--no-layer"] if dedup == "1" else []))
+    os.environ["MOEPAR_DEDUP"] = dedup
+    try:
+        return bench_dispatch.run(args)
+    finally:
+        os.environ.pop("MOEPAR_DEDUP")
 
 
 def test_dispatch_bench_on_two_gloo_ranks():
@@ -168,10 +173,20 @@ def test_dispatch_bench_on_two_gloo_ranks():
     assert row["ep"] == 2 and row["correct"] is True
     assert row["dispatch_ms"] > 0 and row["raw_ms"] > 0 and row["bytes_per_rank_max"] > 0
     assert row["passes_ms"] > 0 and row["counts_ms"] > 0
+    assert row["a2a"] != "one, dedup" and row["raw_routes_ms"] == row["raw_ms"]
     assert row["floor_ms"] > 0 and row["floor_ratio"] == row["floor_ms"] / row["raw_ms"]
     (layer,) = out["layer"]
     assert layer["moepar_ms"] > 0 and layer["load_max_over_mean"] > 1.2
     assert ("ratio" in layer) == deepspeed_status()[0]
+
+
+def test_dispatch_bench_with_dedup_compares_both_byte_counts():
+    # Forced dedup: the identity-expert round trip is still exact, and the row also times the
+    # raw calls of one row per route (the bytes without dedup), which the floor is set against.
+    (row,) = run_ranks(_dispatch_on_ranks, 2, "1")[0]["dispatch"]
+    assert row["a2a"] == "one, dedup" and row["correct"] is True
+    assert row["raw_routes_ms"] > 0 and row["ratio_routes"] == row["dispatch_ms"] / row["raw_routes_ms"]
+    assert row["floor_ratio"] == row["floor_ms"] / row["raw_routes_ms"]
 
 
 def _argmax_rounds(key, k):

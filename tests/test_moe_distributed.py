@@ -35,6 +35,7 @@ def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=T
             if d == state.dp_rank:
                 x_ref = xd.clone().requires_grad_()
                 y_ref = ref(x_ref)
+                ref_dropped = int(ref.stats.dropped)   # this replica's (the loop goes on)
                 ((y_ref * gd).sum() + (aux_loss(ref) if loss_with_aux else 0.0)).backward(inputs=[x_ref])
         x, g = moe_ref.replica_input(state.dp_rank, _tokens(state.dp_rank, uneven))
         x.requires_grad_()
@@ -46,7 +47,7 @@ def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=T
         results.append({"variant": variant, "y": float((y - y_ref).abs().max()) if y.numel() else 0.0,
                          "dx": float((x.grad - x_ref.grad).abs().max()) if x.numel() else 0.0,
                          "weights": max(weights.values()), "grads": grads,
-                         "dropped": int(moe.stats.dropped), "ref_dropped": int(ref.stats.dropped)})
+                         "dropped": int(moe.stats.dropped), "ref_dropped": ref_dropped})
     return results
 
 
@@ -65,43 +66,48 @@ def test_layouts_match_single_process(world, tp, ep, etp):
     _assert_close(run_ranks(_compare, world, tp, ep, etp, VARIANTS))
 
 
-_PATHS = {  # mode: (MOEPAR_BLOCKED_A2A, MOEPAR_SOURCE_MAJOR, SOURCE_MAJOR_MIN_LOCAL)
-    "blocked": ("1", "1", 8),          # 2 local experts: blocked wins over source-major
-    "regroup": ("0", "0", 8),          # one all-to-all + regroup (what NCCL uses)
-    "source": ("0", "1", 8),           # one all-to-all, rows left source-major
-    "source-over-blocked": ("1", "1", 2),
+_PATHS = {  # mode: (MOEPAR_BLOCKED_A2A, MOEPAR_SOURCE_MAJOR, SOURCE_MAJOR_MIN_LOCAL, MOEPAR_DEDUP)
+    "blocked": ("1", "1", 8, "0"),          # 2 local experts: blocked wins over source-major
+    "regroup": ("0", "0", 8, "0"),          # one all-to-all + regroup (what NCCL uses)
+    "source": ("0", "1", 8, "0"),           # one all-to-all, rows left source-major
+    "source-over-blocked": ("1", "1", 2, "0"),
+    "dedup": ("1", "1", 8, "1"),            # one row per token and rank (forced), over any other form
 }
+_ENV = ("MOEPAR_BLOCKED_A2A", "MOEPAR_SOURCE_MAJOR", "MOEPAR_DEDUP")
 
 
 def _compare_dispatch_path(mode, *args):
-    """_compare with the token exchange forced into one form; returns (per-expert calls
-    used, regroup used) with _compare's results."""
+    """_compare with the token exchange forced into one form (``mode``: a _PATHS key, or a
+    list of keys, one per rank); returns (per-expert calls used, regroup used, dedup used)
+    with _compare's results."""
     import os
     from moepar.moe import dispatcher
     from moepar.parallel import comm
-    blocked_env, source_env, min_local = _PATHS[mode]
-    saved_env = {k: os.environ.get(k) for k in ("MOEPAR_BLOCKED_A2A", "MOEPAR_SOURCE_MAJOR")}
+    if isinstance(mode, list):
+        mode = mode[dist.get_rank()]
+    blocked_env, source_env, min_local, dedup_env = _PATHS[mode]
+    saved_env = {k: os.environ.get(k) for k in _ENV}
     old = (dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL, comm.all_to_all_blocks,
-           dispatcher._regroup_index)
-    blocks, regroups = [], []
+           dispatcher._regroup_index, dispatcher.dedup_send)
+    used = {"blocks": [], "regroup": [], "dedup": []}
 
-    def counting_blocks(*a, **kw):
-        blocks.append(1)
-        return old[2](*a, **kw)
-
-    def counting_regroup(*a, **kw):
-        regroups.append(1)
-        return old[3](*a, **kw)
-    os.environ.update(MOEPAR_BLOCKED_A2A=blocked_env, MOEPAR_SOURCE_MAJOR=source_env)
+    def counting(key, fn):
+        def wrapped(*a, **kw):
+            used[key].append(1)
+            return fn(*a, **kw)
+        return wrapped
+    os.environ.update(MOEPAR_BLOCKED_A2A=blocked_env, MOEPAR_SOURCE_MAJOR=source_env, MOEPAR_DEDUP=dedup_env)
     dispatcher.BLOCKED_MIN_BLOCK_BYTES = 0          # tiny test tensors: force the blocked form
     dispatcher.SOURCE_MAJOR_MIN_LOCAL = min_local
-    comm.all_to_all_blocks, dispatcher._regroup_index = counting_blocks, counting_regroup
+    comm.all_to_all_blocks = counting("blocks", old[2])
+    dispatcher._regroup_index = counting("regroup", old[3])
+    dispatcher.dedup_send = counting("dedup", old[4])
     try:
         results = _compare(*args)
-        return bool(blocks), bool(regroups), results
+        return bool(used["blocks"]), bool(used["regroup"]), bool(used["dedup"]), results
     finally:
         (dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL, comm.all_to_all_blocks,
-         dispatcher._regroup_index) = old
+         dispatcher._regroup_index, dispatcher.dedup_send) = old
         for k, v in saved_env.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -113,13 +119,40 @@ def _compare_dispatch_path(mode, *args):
 @pytest.mark.parametrize("world,tp,ep,etp,uneven", [(4, 1, 2, 1, False), (4, 2, 2, 1, False), (4, 1, 2, 1, True)])
 def test_every_token_exchange_form_matches(mode, world, tp, ep, etp, uneven):
     # Two local experts per rank on gloo: the blocked all-to-all (forced on for these tiny
-    # tensors), the single all-to-all + regroup, and the single all-to-all whose rows the
-    # experts take source-major must all equal the single-process layer, also with 5, 0,
-    # 3, 7 tokens on the four ranks.
-    out = run_ranks(_compare_dispatch_path, world, mode, tp, ep, etp, VARIANTS[:4], uneven)
-    assert all(used == (mode == "blocked") for used, _, _ in out)
-    assert all(regrouped == (mode == "regroup") for _, regrouped, _ in out)
-    _assert_close([r for _, _, r in out])
+    # tensors), the single all-to-all + regroup, the single all-to-all whose rows the
+    # experts take source-major, and the dedup form (one row per token and rank) must all
+    # equal the single-process layer, also with 5, 0, 3, 7 tokens on the four ranks.
+    # Dedup needs two routes per token (k=2 variants); the others run k=1.
+    variants = VARIANTS[4:] if mode == "dedup" else VARIANTS[:4]
+    out = run_ranks(_compare_dispatch_path, world, mode, tp, ep, etp, variants, uneven)
+    assert all(blocks == (mode == "blocked") for blocks, _, _, _ in out)
+    assert all(regrouped == (mode == "regroup") for _, regrouped, _, _ in out)
+    assert all(dedup == (mode == "dedup") for _, _, dedup, _ in out)
+    _assert_close([r for _, _, _, r in out])
+
+
+@pytest.mark.parametrize("world,tp,ep,etp", [(4, 1, 4, 1), (2, 1, 2, 1)])
+def test_dedup_with_capacity_drops_and_on_four_ranks(world, tp, ep, etp):
+    # Forced dedup with 4 EP ranks and with routes dropped over capacity (not padded): the
+    # dropped routes send nothing and the rest equals the single-process layer.
+    kw = dict(capacity_factor=0.5, min_capacity=1, num_experts=8)
+    out = run_ranks(_compare_dispatch_path, world, "dedup", tp, ep, etp, VARIANTS[4:6], False, kw)
+    assert all(dedup for _, _, dedup, _ in out)
+    _assert_close([r for _, _, _, r in out])
+    for _, _, _, results in out:
+        assert results[0]["dropped"] > 0 and results[0]["dropped"] == results[0]["ref_dropped"]
+
+
+def test_one_rank_voting_against_dedup_turns_it_off_everywhere():
+    # Rank 0 sets MOEPAR_DEDUP=0, the others force it (the other switches alike): the group
+    # agrees on no dedup (a rank that sent per-route rows while its peers expected per-token
+    # rows would hang or corrupt).
+    # One EP group of all four ranks (the vote is per EP group).
+    out = run_ranks(_compare_dispatch_path, 4, ["blocked", "dedup", "dedup", "dedup"], 1, 4, 1,
+                    VARIANTS[4:6], False, dict(num_experts=8))
+    assert not any(dedup for _, _, dedup, _ in out)
+    assert all(blocks for blocks, _, _, _ in out)
+    _assert_close([r for _, _, _, r in out])
 
 
 @pytest.mark.parametrize("world,tp,ep,etp", [(4, 1, 4, 1), (4, 2, 2, 2)])
@@ -197,6 +230,33 @@ def test_collective_counts_are_as_documented(layout, pad, fwd, bwd):
         assert (nbytes > 0) == (layout[1] > 1)
         if ep > 1:   # the counts exchange: the bytes the cost model prices for it
             assert [smallest_a2a] == model_counts
+
+
+def _dedup_collectives():
+    import os
+    os.environ["MOEPAR_DEDUP"] = "1"
+    try:
+        state = init_parallel(1, 2, verbose=False)
+        moe = moe_ref.build(state, k=2, num_experts=8)
+        x, g = moe_ref.replica_input(state.dp_rank, 6)
+        y = moe(x.requires_grad_())
+        (y * g).sum().backward()
+    finally:
+        os.environ.pop("MOEPAR_DEDUP")
+    ev = [(e.nbytes, e.backward) for e in moe.stats.comm.events if e.op == "all_to_all"]
+    return ev
+
+
+def test_dedup_collectives_and_bytes():
+    # Forced dedup: forward = counts, tokens, side message, tokens back; backward = the
+    # mirror of the three data all-to-alls. The side message carries 2K fp32 per token row.
+    D, K = moe_ref.D, 2
+    for ev in run_ranks(_dedup_collectives, 4):
+        fwd = [n for n, b in ev if not b]
+        assert len(fwd) == 4 and sum(b for _, b in ev) == 3
+        counts, tokens, side, back = fwd      # bytes each rank sends (back: the rows it received)
+        assert tokens % (D * 4) == 0 and side == tokens // (D * 4) * (2 * K * 4)
+        assert 6 <= tokens // (D * 4) <= 6 * K - 1  # each token once, fewer rows than routes
 
 
 def _bad_inputs():

@@ -10,14 +10,18 @@ For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp 
   as the MoE layer calls it (``source_major=True``: its experts take the rows source-major)
   (permute, the counts all-to-all, the token all-to-all S*D*b — on gloo one call per local
   expert for 2-7 local experts, else one call whose rows stay source-major; with NCCL one
-  call and a local regroup; column "a2a" — the
+  call and a local regroup; with dedup (``MOEPAR_DEDUP``, see the dispatcher) one row per
+  token and destination rank plus a small side all-to-all; column "a2a" — the
   inverse of each on the way back, the weighted unpermute; backward: 2 token all-to-alls,
   gradients to x and to the routing weights), i.e. 4 token all-to-alls + 1 counts exchange;
 * **raw all-to-all**: ``dist.all_to_all_single`` of exactly the same splits and bytes, the
-  same 4 calls, on preallocated buffers (the pure cost of moving the tokens);
+  same 4 calls, on preallocated buffers (the pure cost of moving the tokens); with dedup
+  also ``raw_routes``: the same calls with one row per route (the bytes without dedup, what
+  a route-replicating dispatcher moves); without dedup raw_routes = raw;
 * where the difference goes: the local passes alone (permute + unpermute forward and
-  backward on the same routes, no communication) and the counts exchange alone;
-* **floor**: the same 4 calls plus the least local work that any dispatch over
+  backward on the same routes, no communication; with dedup the sender's passes and the
+  receiver's on the rows this rank sends) and the counts exchange alone;
+* **floor** (of one row per route): the same 4 calls plus the least local work that any dispatch over
   ``all_to_all_single`` adds: each token copied to its K rows before each outbound call and
   each token's K rows summed after each return call, on contiguous token-major buffers (no
   gather, no weights, no counts exchange), and the rows for the rank's own experts kept out
@@ -48,6 +52,7 @@ from moepar.bench.common import format_table, grad_step, keep_freed_memory
 from moepar.bench.layer import parse_config, skew_input_shift, zipf_input_shift
 from moepar.bench.local import _machine, random_routes
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status
+from moepar.moe.dispatcher import dedup_expand, dedup_send
 from moepar.moe.layer import MoE
 from moepar.parallel import groups
 from moepar_kernels.permute import permute, unpermute
@@ -95,33 +100,51 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
               and torch.allclose(gw, (g * x).sum(1, keepdim=True).expand_as(w), atol=1e-4))
     _, meta = disp.dispatch(x.detach(), ids, None, w.detach(), None, source_major=True)
     send, recv = list(meta.send_splits), list(meta.recv_splits)
-    S, R = sum(send), sum(recv)
     group = state.ep_group
-    a_send, b_send = torch.randn(S, D), torch.empty(S, D)
-    a_recv, b_recv = torch.randn(R, D), torch.empty(R, D)
+    L = E // ep
+    # The splits of one row per route (what a route-replicating dispatch sends; with dedup
+    # the dispatcher sends fewer rows, one per token and destination rank).
+    send_r = torch.bincount(torch.div(ids, L, rounding_mode="floor").flatten(), minlength=ep)
+    recv_r = torch.empty_like(send_r)
+    dist.all_to_all_single(recv_r, send_r, group=group)
+    send_r, recv_r = send_r.tolist(), recv_r.tolist()
 
-    def raw():
-        dist.all_to_all_single(b_recv, a_send, recv, send, group=group)   # dispatch forward
-        dist.all_to_all_single(b_send, a_recv, send, recv, group=group)   # combine forward
-        dist.all_to_all_single(b_recv, a_send, recv, send, group=group)   # combine backward
-        dist.all_to_all_single(b_send, a_recv, send, recv, group=group)   # dispatch backward
+    def raw_calls(send, recv):
+        """The same 4 all_to_all_single calls of these splits, on preallocated buffers."""
+        S, R = sum(send), sum(recv)
+        a_send, b_send = torch.randn(S, D), torch.empty(S, D)
+        a_recv, b_recv = torch.randn(R, D), torch.empty(R, D)
+
+        def calls():
+            dist.all_to_all_single(b_recv, a_send, recv, send, group=group)   # dispatch forward
+            dist.all_to_all_single(b_send, a_recv, send, recv, group=group)   # combine forward
+            dist.all_to_all_single(b_recv, a_send, recv, send, group=group)   # combine backward
+            dist.all_to_all_single(b_send, a_recv, send, recv, group=group)   # dispatch backward
+        return calls
+    raw = raw_calls(send, recv)
 
     # Where the difference goes: the dispatcher's local passes alone (permute, unpermute and
     # their backward on the same routes, in the same row order, no communication) and the
     # counts exchange alone.
-    L = E // ep
     key = ids if meta.blocks is None else (ids % L) * ep + torch.div(ids, L, rounding_mode="floor")
 
     def passes():
         x_p, _, row_map = permute(x, key, None, E)
         torch.autograd.grad(unpermute(x_p, row_map, w, T), [x, w], g)
 
+    def passes_dedup():   # the sender's passes, then the receiver's on the rows this rank sends
+        x_s, row_map, side = dedup_send(x, ids, None, w, L, ep)
+        x_l, row_map_r, w_r = dedup_expand(x_s, side, L)
+        y_s = unpermute(x_l, row_map_r, w_r, row_map_r.shape[0])
+        torch.autograd.grad(unpermute(y_s, row_map, None, T), [x, w], g)
+
     # The floor: the 4 calls with the least local work (replicate and reduce, contiguous), the
     # rows for this rank's own experts kept out of the calls (they need no copy through it).
     me = dist.get_group_rank(group, rank)
-    send_o, recv_o = [0 if i == me else n for i, n in enumerate(send)], [0 if i == me else n for i, n in enumerate(recv)]
-    fl_send, fl_back = torch.empty(S, D), torch.empty(S, D)
-    fl_recv, fl_tok = torch.empty(R, D), torch.empty(T, D)
+    send_o = [0 if i == me else n for i, n in enumerate(send_r)]
+    recv_o = [0 if i == me else n for i, n in enumerate(recv_r)]
+    fl_send, fl_back = torch.empty(T * K, D), torch.empty(T * K, D)
+    fl_recv, fl_tok = torch.empty(sum(recv_r), D), torch.empty(T, D)
     so, ro = sum(send_o), sum(recv_o)
     xd = x.detach()
 
@@ -133,27 +156,27 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
             torch.sum(fl_back.view(T, K, D), 1, out=fl_tok)
 
     zeros_E = torch.zeros(E, dtype=torch.int64)
-    fns = {"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw, "passes": passes,
-           "counts": lambda: disp._exchange_counts(zeros_E, D, x.dtype, None, None)}
-    dense = torch.tensor([int(S == T * K)])   # dropless: every route is a row (always, here)
-    dist.all_reduce(dense, op=dist.ReduceOp.MIN)  # every rank runs the floor's calls, or none
-    if int(dense):
-        fns["floor"] = floor
-        floor()                       # the round trip brings back exactly the rows sent
-        ok = ok and torch.equal(fl_back[:so], fl_send[:so])
-    secs = _timed_rounds(fns, rounds, warmup)
-    nbytes = torch.tensor([2 * (S + R) * D * 4], dtype=torch.int64)
+    fns = {"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw,
+           "passes": passes if meta.dedup is None else passes_dedup,
+           "counts": lambda: disp._exchange_counts(zeros_E, D, x.dtype, None, None), "floor": floor}
+    if meta.dedup is not None:   # also the raw calls of one row per route, the bytes without dedup
+        fns["raw, one row per route"] = raw_calls(send_r, recv_r)
+    floor()                       # the round trip brings back exactly the rows sent
+    ok = ok and torch.equal(fl_back[:so], fl_send[:so])
+    secs = {k: v * 1e3 for k, v in _timed_rounds(fns, rounds, warmup).items()}
+    nbytes = torch.tensor([2 * (sum(send) + sum(recv)) * D * 4], dtype=torch.int64)
     dist.all_reduce(nbytes, op=dist.ReduceOp.MAX)
-    ratio = secs["dispatch+combine"] / secs["raw all_to_all_single"]
-    floor_ms = secs["floor"] * 1e3 if "floor" in secs else None
+    raw_ms = secs["raw all_to_all_single"]
+    raw_routes_ms = secs.get("raw, one row per route", raw_ms)
     return {"config": cfg_name, "ep": ep, "T": T, "D": D, "E": E, "K": K, "correct": ok,
-            "bytes_per_rank_max": int(nbytes), "dispatch_ms": secs["dispatch+combine"] * 1e3,
-            "raw_ms": secs["raw all_to_all_single"] * 1e3, "ratio": ratio,
-            "passes_ms": secs["passes"] * 1e3, "counts_ms": secs["counts"] * 1e3,
-            "floor_ms": floor_ms,
-            "floor_ratio": floor_ms / (secs["raw all_to_all_single"] * 1e3) if floor_ms else None,
+            "bytes_per_rank_max": int(nbytes), "dispatch_ms": secs["dispatch+combine"],
+            "raw_ms": raw_ms, "ratio": secs["dispatch+combine"] / raw_ms,
+            "raw_routes_ms": raw_routes_ms, "ratio_routes": secs["dispatch+combine"] / raw_routes_ms,
+            "passes_ms": secs["passes"], "counts_ms": secs["counts"],
+            "floor_ms": secs["floor"], "floor_ratio": secs["floor"] / raw_routes_ms,
             "a2a": "per local expert" if meta.blocks is not None else "one + regroup" if meta.regroup is not None
-            else "one, source-major" if meta.segment_experts is not None else "one"}
+            else "one, source-major" if meta.segment_experts is not None
+            else "one, dedup" if meta.dedup is not None else "one"}
 
 
 def bench_layer_step(cfg_name: str, ep: int, state, rounds: int, warmup: int, tokens: int | None) -> dict:
@@ -263,14 +286,16 @@ def main(argv: list[str] | None = None) -> int:
                 print("\ndispatch + combine (forward + backward, identity experts) vs raw all_to_all_single "
                       "of the same splits (4 calls):")
                 print(format_table(out["dispatch"], ["config", "ep", "T", "D", "K", "E", "bytes_per_rank_max",
-                                                     "a2a", "dispatch_ms", "raw_ms", "ratio", "passes_ms",
-                                                     "counts_ms", "floor_ms", "floor_ratio", "correct"]))
+                                                     "a2a", "dispatch_ms", "raw_ms", "ratio", "raw_routes_ms",
+                                                     "ratio_routes", "passes_ms", "counts_ms", "floor_ms",
+                                                     "floor_ratio", "correct"]))
                 print("passes_ms: the local passes alone (permute + unpermute, forward + backward, no "
                       "communication); counts_ms: the counts exchange alone. dispatch ~ raw + passes + counts.\n"
                       "floor_ms: the same 4 calls plus the least local work any dispatch over all_to_all_single "
                       "adds (copy each token to its K rows, sum K rows per token; contiguous, no gather, own rows "
-                      "kept out of the calls);\nfloor_ratio = floor_ms / raw_ms: the lowest ratio of a dispatch "
-                      "that moves the same bytes, on this machine.")
+                      "kept out of the calls);\nfloor_ratio = floor_ms / raw_routes_ms: the lowest ratio of a "
+                      "dispatch that sends one row per route, on this machine. raw_routes_ms: the raw calls of one "
+                      "row per route (= raw_ms unless a2a is 'one, dedup', which sends one row per token and rank).")
             if out["layer"]:
                 print(f"\nwhole layer step (config {args.layer_config}, skewed routing) vs DeepSpeed-MoE "
                       f"(drop_tokens=False):")

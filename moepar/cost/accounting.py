@@ -8,7 +8,7 @@ buffer), as ``moepar.parallel.comm`` records them.
 
 Per MoE layer and micro-batch (what ``moepar.moe`` issues):
   forward  [ep>1]  counts all-to-all: per peer L=E/ep int64 counts + 4 int64 metadata,
-                   ep·(L+5)·8 = (E + 5·ep)·8 bytes, EP group
+                   ep·(L+8)·8 = (E + 8·ep)·8 bytes, EP group
            [ep>1]  dispatch all-to-all          R·D·b        EP
            [etp>1] all-gather counts + rows     etp·E·8, etp·R·D·b  ETP
            [etp>1] reduce-scatter partial out   etp·R·D·b    ETP
@@ -87,7 +87,7 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
             add("attention SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
             add("attention SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
         if ep > 1 and phase == "fwd":
-            add("MoE counts", "all_to_all", "ep", phase, (E + 5 * ep) * INT64, "ep·(E/ep+5)·8")
+            add("MoE counts", "all_to_all", "ep", phase, (E + 8 * ep) * INT64, "ep·(E/ep+8)·8")
         if ep > 1:
             add("MoE dispatch" if phase == "fwd" else "MoE combine grad", "all_to_all", "ep", phase,
                 rows, "R·D·b")

@@ -47,7 +47,7 @@ def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
     rows = []
     elem = ctx.bufs.elem
     for (n, T, D, E), m in zip(cases, measured):
-        counts_bytes = n * (E // n + 5) * 8
+        counts_bytes = n * (E // n + 8) * 8
         token_bytes = T * TOPK * D * elem
         pred = ctx.predict("all_to_all", n, counts_bytes)[0] + 2 * ctx.predict("all_to_all", n, token_bytes)[0]
         rows.append(Row("moe-dispatch", f"n={n} T={T} D={D} K={TOPK} E={E}", "moe_dispatch", n,

@@ -28,6 +28,17 @@ contiguous. Three ways, same numbers:
     ``segment_experts``. Used instead of the regroup, and instead of the blocked form from
     SOURCE_MAJOR_MIN_LOCAL local experts on (many smaller calls cost more than one).
     ``MOEPAR_SOURCE_MAJOR=0`` turns it off.
+
+Dedup (dropless, no expert TP, K > 1; any backend): a token whose K routes go to fewer than
+K EP ranks is sent once to each of those ranks, not once per route (DeepEP's layout), with a
+[rows, 2K] fp32 side all-to-all of its weights and local expert ids there; the receiver
+expands the rows expert-major (a permute: no regroup) and sums each row's weighted expert
+outputs before the return all-to-all (``dedup_send``/``dedup_expand``). The token
+all-to-alls then carry the fraction (distinct ranks per token) / K of the bytes: for E=64,
+K=8 about 0.25 at ep=2 and 0.46 at ep=4 under uniform routing. It costs the receiver's
+expansion passes, so ``MOEPAR_DEDUP=auto`` (default) uses it when the EP group's fraction
+is at most DEDUP_MAX_FRACTION; ``1`` forces it, ``0`` turns it off. The ranks vote in the
+counts exchange and decide the same. Collectives: one more (small) all-to-all each way.
 """
 from __future__ import annotations
 
@@ -41,12 +52,14 @@ from moepar_kernels import workspace
 from moepar_kernels.permute import permute, unpermute
 
 from ..parallel import comm
+from .dedup import dedup_expand, dedup_rows, dedup_send, group_dedups
 
 # dtypes are exchanged as small integer codes in the counts message.
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # metadata appended to every counts row: hidden size, dtype code, error flag, capacity,
-# rows the sender dispatches in all.
-_META = 5
+# routes the sender dispatches in all, its dedup mode (0 off, 1 auto, 2 forced), its rows in
+# all with dedup, its rows with dedup for this recipient.
+_META = 8
 # Most local experts for the blocked all-to-all (each block is one all-to-all call).
 BLOCKED_MAX_LOCAL = 16
 # ... and only when the EP group's mean bytes per (rank, local expert) block reach this:
@@ -101,6 +114,10 @@ class DispatchMeta:
     # segment_counts[i] rows for local expert segment_experts[i]; None = expert-major.
     segment_experts: tuple | None = None
     segment_counts: list[int] | None = None
+    # Dedup form (one row per token and destination rank): (row_map_RK [R, K] of the received
+    # rows into x_local, weights_RK [R, K] in the graph); row_map_TK then maps routes to the
+    # sent rows, -1 for a route whose rank an earlier route of its token already covers.
+    dedup: tuple | None = None
 
 
 class Dispatcher:
@@ -125,14 +142,19 @@ class Dispatcher:
 
     # ---- the counts exchange doubles as a collective sanity check ----------------------
     def _exchange_counts(self, counts_E: torch.Tensor, hidden: int, dtype: torch.dtype,
-                         error: str | None, capacity: int | None) -> torch.Tensor:
+                         error: str | None, capacity: int | None, dedup_P: torch.Tensor | None = None,
+                         dedup_mode: int = 0) -> torch.Tensor:
         """Send each EP peer the counts for its experts plus (hidden, dtype, error, capacity);
         receive [P, L + META]. Every rank checks every peer's metadata, so a bad input on one
         rank raises on all of them here, before any token moves."""
         P, L = self.ep, self.num_local
+        if dedup_P is None:
+            dedup_P, dedup_mode = torch.zeros(P, dtype=torch.int64), 0
         meta = torch.tensor([hidden, _DTYPES.index(dtype) if dtype in _DTYPES else -1,
-                             0 if error is None else 1, capacity or 0, int(counts_E.sum())], dtype=torch.int64)
-        send = torch.cat([counts_E.to("cpu", torch.int64).view(P, L), meta.expand(P, _META)], dim=1)
+                             0 if error is None else 1, capacity or 0, int(counts_E.sum()), dedup_mode,
+                             int(dedup_P.sum())], dtype=torch.int64)
+        send = torch.cat([counts_E.to("cpu", torch.int64).view(P, L), meta.expand(P, _META - 1),
+                          dedup_P.to("cpu", torch.int64).view(P, 1)], dim=1)
         # Counts travel on the tokens' device (NCCL needs CUDA tensors); tiny.
         device = torch.device("cpu") if dist.get_backend(self.ep_group) == "gloo" else counts_E.device
         recv = comm.all_to_all_rows(send.to(device), self.ep_group, None, None, stats=self.stats).cpu()
@@ -221,8 +243,13 @@ class Dispatcher:
                 n_bad = int(counts_E1[E])
                 error = None if n_bad == 0 else (
                     f"expert_ids has {n_bad} kept route(s) outside [0, num_experts={E})")
-                recv = self._exchange_counts(counts_E, D, x_TD.dtype, error, None)
+                mode = self._dedup_mode(expert_ids_TK)
+                rows_P = dedup_rows(expert_ids_TK, dropped_TK, L, P) if mode else None
+                recv = self._exchange_counts(counts_E, D, x_TD.dtype, error, None, rows_P, mode)
                 counts_PL = recv[:, :L]
+                if mode and group_dedups(recv[:, L + 5], recv[:, L + 6], recv[:, L + 4]):
+                    return self._dispatch_dedup(x_TD, expert_ids_TK, dropped_TK, weights_TK, rows_P, recv,
+                                                token_sizes)
                 block_bytes = int(recv[:, L + 4].sum()) * D * x_TD.element_size() / (P * L)
                 blocked = self._blocked(x_TD) and block_bytes >= BLOCKED_MIN_BLOCK_BYTES
                 if source_major and self._source_major(blocked):
@@ -270,9 +297,50 @@ class Dispatcher:
                             *(segments or (None, None)))
         return x_recv, meta
 
+    def _dispatch_dedup(self, x_TD, expert_ids_TK, dropped_TK, weights_TK, rows_P, recv, token_sizes):
+        """Dedup form: one row per (token, destination rank), not per route. The sender sends
+        each token once to every rank that holds any of its experts, with a small side message
+        per row ([rows, 2K] fp32: the routing weights and local expert ids of the token's
+        routes to that rank, 0 and -1 elsewhere). The receiver expands the rows into its
+        experts' rows (a permute, expert-major: no regroup) and, in ``combine``, sums each
+        row's expert outputs with its weights before the return all-to-all; the sender then
+        sums a token's returned rows. DeepEP sends tokens this way. The token all-to-alls
+        move (rows with dedup) / (routes) of the bytes; gradients reach the weights through the
+        side message's reverse all-to-all."""
+        P, L = self.ep, self.num_local
+        T = x_TD.shape[0]
+        x_SD, row_map_TK, side_S = dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L, P)
+        send, recv_ = rows_P.tolist(), recv[:, L + 7].tolist()
+        x_recv = comm.all_to_all(x_SD, self.ep_group, recv_, send, stats=self.stats, empty=workspace.empty)
+        side_R = comm.all_to_all(side_S, self.ep_group, recv_, send, stats=self.stats)
+        x_local, row_map_RK, w_RK = dedup_expand(x_recv, side_R, L)
+        counts_PL = recv[:, :L]
+        meta = DispatchMeta(T, row_map_TK, weights_TK, send, recv_, None, None, counts_PL.sum(0), counts_PL,
+                            None, token_sizes, dedup=(row_map_RK, w_RK))
+        return x_local, meta
+
+    def _dedup_mode(self, expert_ids_TK: torch.Tensor) -> int:
+        """This rank's dedup vote: 0 off, 1 auto, 2 forced (``MOEPAR_DEDUP`` = 0 / auto / 1).
+        Dedup needs more than one route per token and no expert TP."""
+        env = os.environ.get("MOEPAR_DEDUP", "auto")
+        if env not in ("0", "1", "auto"):
+            raise ValueError(f"MOEPAR_DEDUP={env!r} must be 0, 1 or auto")
+        if env == "0" or self.etp > 1 or expert_ids_TK.shape[1] < 2:
+            return 0
+        return 2 if env == "1" else 1
+
     def combine(self, y_local: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """Inverse of ``dispatch``; weights each route's output and sums per token: [T, D]."""
         y = y_local
+        if meta.dedup is not None:
+            row_map_RK, w_RK = meta.dedup
+            y = unpermute(y, row_map_RK, w_RK, row_map_RK.shape[0])
+            y = comm.all_to_all(y, self.ep_group, meta.send_splits, meta.recv_splits, stats=self.stats,
+                                empty=workspace.empty)
+            y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0])
+            if meta.token_sizes is not None:
+                y = comm.gather_from_region(y, self.tp_group, 0, meta.token_sizes, stats=self.stats)
+            return y
         if meta.regroup is not None:
             idx, inv = meta.regroup
             y = _PermuteRows.apply(y, inv, idx)
