@@ -1,5 +1,7 @@
 """Layer accounting: Mixtral-8x7B parameters and FLOPs by hand, routes, memory, the
 collective list per layer and per step, and the messages for layouts that do not fit."""
+import math
+
 import pytest
 
 from moepar.cost.accounting import layer_calls, step_calls, step_cost
@@ -181,3 +183,54 @@ def test_layouts_that_do_not_fit_name_the_valid_values():
         check_fits(mixtral(), CostLayout(24, 8, etp=3))
     lay = CostLayout(32, 8, tp=16)
     assert "tp=16 > gpus_per_node=8" in lay.warnings()[0]
+
+
+def _exact_fraction(E, K, ep):
+    """Mean distinct EP ranks over every K-subset of the E experts, over K (the obvious way)."""
+    import itertools
+    L = E // ep
+    subsets = list(itertools.combinations(range(E), K))
+    return sum(len({e // L for e in s}) for s in subsets) / len(subsets) / K
+
+
+@pytest.mark.parametrize("E,K,ep", [(8, 2, 2), (8, 3, 4), (12, 4, 3), (16, 4, 2), (10, 5, 5)])
+def test_dedup_fraction_is_the_mean_over_every_expert_subset(E, K, ep):
+    from moepar.cost.model import dedup_fraction
+    spec = MoESpec(hidden=8, ffn=8, experts=E, topk=K, tokens=64, dedup="on")
+    assert dedup_fraction(spec, CostLayout(ep, 8, ep=ep)) == pytest.approx(_exact_fraction(E, K, ep), rel=1e-12)
+
+
+def test_dedup_matches_the_layer_threshold_and_its_measured_rows():
+    # The model's auto threshold is the layer's, and the fraction the model expects is what
+    # the layer's own row count gives on uniform random top-8 of 64 routes (4096 tokens).
+    import torch
+    from moepar.cost.model import DEDUP_MAX_FRACTION, dedup_fraction
+    from moepar.moe import dedup
+    assert DEDUP_MAX_FRACTION == dedup.DEDUP_MAX_FRACTION
+    ids = torch.rand(4096, 64, generator=torch.Generator().manual_seed(0)).topk(8, dim=1).indices
+    spec = MoESpec(hidden=8, ffn=8, experts=64, topk=8, tokens=4096, dedup="on")
+    for ep in (2, 4):
+        measured = int(dedup.dedup_rows(ids, None, 64 // ep, ep).sum()) / ids.numel()
+        assert measured == pytest.approx(dedup_fraction(spec, CostLayout(4, 8, ep=ep)), abs=0.01)
+
+
+def test_dedup_prices_fewer_token_bytes_and_a_side_message():
+    # E=64, K=8: auto dedups at ep=2 (f = 0.25) but not at ep=4 (f = 0.46); "off" never, "on" always.
+    spec = MoESpec(hidden=1024, ffn=512, experts=64, topk=8, tokens=4096, dtype="bf16")
+
+    def a2a(spec, ep):
+        return {c.name + "/" + c.phase: c.nbytes for c in layer_calls(spec, CostLayout(8, 8, ep=ep), H100)
+                if c.op == "all_to_all" and c.name != "MoE counts"}
+    full = 4096 * 8 * 1024 * 2
+    off2 = a2a(spec.replace(dedup="off"), 2)
+    assert off2 == {"MoE dispatch/fwd": full, "MoE combine/fwd": full,
+                    "MoE combine grad/bwd": full, "MoE dispatch grad/bwd": full}
+    auto2 = a2a(spec, 2)
+    f = 2 * (1 - math.comb(32, 8) / math.comb(64, 8)) / 8     # the closed form checked above
+    assert f < 0.3 and auto2["MoE dispatch/fwd"] == pytest.approx(full * f)
+    assert auto2["MoE dedup side/fwd"] == pytest.approx(4096 * 8 * f * 2 * 8 * 4)
+    assert len(auto2) == 6 and "MoE dedup side grad/bwd" in auto2
+    assert a2a(spec, 4) == a2a(spec.replace(dedup="off"), 4)              # f = 0.46 > 0.3
+    assert a2a(spec.replace(dedup="on"), 4)["MoE dispatch/fwd"] == pytest.approx(full * 4 * (1 - math.comb(48, 8) / math.comb(64, 8)) / 8)
+    with pytest.raises(ValueError, match="dedup='yes' must be one of auto, on, off"):
+        spec.replace(dedup="yes")

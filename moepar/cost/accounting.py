@@ -7,9 +7,10 @@ nccl-tests' size convention (all-gather: output, reduce-scatter: input, all-to-a
 buffer), as ``moepar.parallel.comm`` records them.
 
 Per MoE layer and micro-batch (what ``moepar.moe`` issues):
-  forward  [ep>1]  counts all-to-all: per peer L=E/ep int64 counts + 4 int64 metadata,
+  forward  [ep>1]  counts all-to-all: per peer L=E/ep int64 counts + 8 int64 metadata,
                    ep·(L+8)·8 = (E + 8·ep)·8 bytes, EP group
-           [ep>1]  dispatch all-to-all          R·D·b        EP
+           [ep>1]  dispatch all-to-all          R·D·b        EP  (dedup: R·f·D·b and a side
+                   all-to-all R·f·2K·4, f = dedup_fraction; each way, backward too)
            [etp>1] all-gather counts + rows     etp·E·8, etp·R·D·b  ETP
            [etp>1] reduce-scatter partial out   etp·R·D·b    ETP
            [ep>1]  combine all-to-all           R·D·b        EP
@@ -33,7 +34,7 @@ import dataclasses
 from .collectives import sent_bytes
 from .hardware import Hardware
 from .model import (CostLayout, Flops, Memory, MoESpec, Params, Routes, check_fits,
-                    count_flops, count_params, memory_per_rank, routes_per_rank)
+                    count_flops, count_params, dedup_fraction, memory_per_rank, routes_per_rank)
 
 INT64 = 8
 FP32 = 4
@@ -78,7 +79,8 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                           hw.collective_time(op, pl, nbytes, algo), sent_bytes(op, pl, nbytes, algo),
                           formula))
 
-    rows = R * D * b
+    f = dedup_fraction(spec, layout)
+    rows, rows_formula = (R * D * b, "R·D·b") if f is None else (R * f * D * b, f"R·{f:.3g}·D·b (dedup)")
     for phase in ("fwd", "bwd"):
         # attention block, Megatron tensor parallel
         if tp > 1 and not sp:
@@ -90,7 +92,10 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
             add("MoE counts", "all_to_all", "ep", phase, (E + 8 * ep) * INT64, "ep·(E/ep+8)·8")
         if ep > 1:
             add("MoE dispatch" if phase == "fwd" else "MoE combine grad", "all_to_all", "ep", phase,
-                rows, "R·D·b")
+                rows, rows_formula)
+            if f is not None:   # the side message: weights and local ids, 2K fp32 per row (grads back)
+                add("MoE dedup side" if phase == "fwd" else "MoE dedup side grad", "all_to_all", "ep", phase,
+                    R * f * 2 * K * FP32, f"R·{f:.3g}·2K·4")
         if etp > 1:
             if phase == "fwd":
                 add("expert-TP counts", "all_gather", "etp", phase, etp * E * INT64, "etp·E·8")
@@ -98,7 +103,7 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
             add("expert-TP reduce-scatter", "reduce_scatter", "etp", phase, etp * rows, "etp·R·D·b")
         if ep > 1:
             add("MoE combine" if phase == "fwd" else "MoE dispatch grad", "all_to_all", "ep", phase,
-                rows, "R·D·b")
+                rows, rows_formula)
         if tp > 1 and not sp:
             add("MoE TP gather" if phase == "fwd" else "MoE input-grad gather", "all_gather", "tp",
                 phase, T * D * b, "T·D·b")

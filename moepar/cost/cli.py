@@ -71,6 +71,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-counts", help="measured tokens per expert, comma-separated or a file: "
                                             "sets --imbalance for the layout's ep")
     g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    g.add_argument("--dedup", choices=("auto", "on", "off"), default="auto",
+                   help="dispatch one row per token and EP rank (auto: as the layer, when the expected rows "
+                        "are at most 0.3 of the routes under uniform routing)")
 
 
 def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
@@ -103,7 +106,8 @@ def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
     return MoESpec(tokens=a.tokens, dtype=a.dtype, capacity_factor=a.capacity_factor,
                    min_capacity=a.min_capacity, pad_to_capacity=a.pad_to_capacity,
                    shared_experts=a.shared_experts, shared_ffn=a.shared_ffn, gated=not a.plain_mlp,
-                   seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches, **base)
+                   seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches,
+                   dedup=getattr(a, "dedup", "auto"), **base)
 
 
 # ---- report ---------------------------------------------------------------------------

@@ -66,6 +66,7 @@ class MoESpec:
     seq_len: int | None = None             # adds 12·L·seq·D attention-score FLOPs per token
     imbalance: float = 1.0                 # max/mean routes over EP ranks
     micro_batches: int = 1
+    dedup: str = "auto"                    # one dispatch row per token and EP rank: auto | on | off
 
     def __post_init__(self) -> None:
         _positive(hidden=self.hidden, ffn=self.ffn, experts=self.experts, topk=self.topk,
@@ -82,6 +83,8 @@ class MoESpec:
             raise ValueError(f"shared_experts={self.shared_experts} and vocab={self.vocab} must be >= 0")
         if not self.imbalance >= 1.0:
             raise ValueError(f"imbalance={self.imbalance} must be >= 1 (max/mean tokens per rank)")
+        if self.dedup not in ("auto", "on", "off"):
+            raise ValueError(f"dedup={self.dedup!r} must be one of auto, on, off")
         if self.heads is not None and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
         if self.kv_heads is not None and (self.heads is None or self.heads % self.kv_heads):
@@ -262,6 +265,24 @@ def routes_per_rank(spec: MoESpec, layout: CostLayout) -> Routes:
     if spec.pad_to_capacity:
         return Routes(t_local, float(full), float(full), cap)
     return Routes(t_local, float(min(routes, full)), float(min(routes * spec.imbalance, full)), cap)
+
+
+# moepar.moe.dedup.DEDUP_MAX_FRACTION, the layer's "auto" threshold (a test keeps them equal;
+# this module stays free of torch).
+DEDUP_MAX_FRACTION = 0.3
+
+
+def dedup_fraction(spec: MoESpec, layout: CostLayout) -> float | None:
+    """Dispatch rows with dedup / routes under uniform top-k routing: the expected number of
+    distinct EP ranks a token's K experts live on, ep·(1 - C(E-L, K)/C(E, K)), over K (L = E/ep).
+    None where the layer sends one row per route: ep = 1, expert TP, K = 1, padded capacity,
+    ``dedup="off"``, or "auto" above DEDUP_MAX_FRACTION (as the layer decides)."""
+    E, K, ep = spec.experts, spec.topk, layout.ep
+    if ep == 1 or layout.etp > 1 or K < 2 or spec.pad_to_capacity or spec.dedup == "off":
+        return None
+    L = E // ep
+    f = ep * (1.0 - math.comb(E - L, K) / math.comb(E, K)) / K
+    return f if spec.dedup == "on" or f <= DEDUP_MAX_FRACTION else None
 
 
 def imbalance_from_counts(tokens_per_expert, ep: int) -> float:

@@ -3,7 +3,7 @@
 Each row times ``Dispatcher.dispatch`` + ``combine`` (forward: the counts all-to-all, the
 token all-to-all and the one back, plus the local permute/regroup/unpermute they need) on
 an EP group of n ranks with uniform random top-k routing, and compares it with what the
-cost model prices for the same layer: the counts all-to-all (ep·(E/ep+5)·8 bytes) and two
+cost model prices for the same layer: the counts all-to-all (ep·(E/ep+8)·8 bytes) and two
 token all-to-alls of R·D·b. The model prices communication only, so the local work is
 the expected gap; rows carry op "moe_dispatch" to keep their error apart from the plain
 collectives' medians.
