@@ -33,20 +33,20 @@ def dedup_rows(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: 
     return hit[:, :P].sum(0).cpu()
 
 
-def _dedup_plan(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: int):
-    """(dest_TK, drop_TK, same_TKK): each route's EP rank; the routes that send no row of
-    their own (dropped, or an earlier kept route of the token goes to the same rank); and
-    whether kept routes k and j of a token go to the same rank. Ids are in range here."""
-    K = expert_ids_TK.shape[1]
+def _dedup_plan(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: int, P: int):
+    """(dest_TK, drop_TK): each route's EP rank, and the routes that send no row of their
+    own (dropped, or an earlier kept route of the token goes to the same rank: each token's
+    first route per rank, a [T, P] scatter-min of k). Ids are in range here."""
+    T, K = expert_ids_TK.shape
     dest = torch.div(expert_ids_TK.long(), L, rounding_mode="floor")
-    same = dest[:, :, None] == dest[:, None, :]
-    if dropped_TK is not None:
-        same &= ~dropped_TK[:, :, None] & ~dropped_TK[:, None, :]
-    earlier = torch.ones(K, K, dtype=torch.bool, device=dest.device).tril(-1)   # [k, j]: j < k
-    drop = (same & earlier).any(-1)
+    k_TK = torch.arange(K, device=dest.device).expand(T, K)
+    bins = dest if dropped_TK is None else dest.masked_fill(dropped_TK, P)   # dropped: a spare bin
+    first = torch.full((T, P + 1), K, dtype=torch.int64, device=dest.device)
+    first.scatter_reduce_(1, bins, k_TK, reduce="amin")
+    drop = first.gather(1, bins) != k_TK
     if dropped_TK is not None:
         drop |= dropped_TK
-    return dest, drop, same
+    return dest, drop
 
 
 def dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L: int, P: int):
@@ -55,13 +55,17 @@ def dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L: int, P: int):
     for the routes that share an earlier route's row, or are dropped). side_S [S, 2K] fp32:
     for the row of (token t, rank p), slot j holds route j's weight and local expert id where
     route j also goes to rank p, else 0 and -1 (differentiable w.r.t. the weights)."""
-    dest_TK, drop_TK, same_TKK = _dedup_plan(expert_ids_TK, dropped_TK, L)
-    T, K = dest_TK.shape
+    dest_TK, drop_TK = _dedup_plan(expert_ids_TK, dropped_TK, L, P)
+    K = dest_TK.shape[1]
     x_SD, _, row_map_TK = permute(x_TD, dest_TK, drop_TK, P)
-    route_S = _inverse_row_map(row_map_TK, x_SD.shape[0])
-    ids_S = torch.where(same_TKK, (expert_ids_TK.long() % L)[:, None, :], -1).view(T * K, K)[route_S]
-    w_S = torch.where(same_TKK, weights_TK[:, None, :], 0).view(T * K, K).index_select(0, route_S)
-    return x_SD, row_map_TK, torch.cat([w_S.float(), ids_S.float()], 1)
+    route_S = _inverse_row_map(row_map_TK, x_SD.shape[0])    # each row's (first) route t*K + k
+    tok_S = torch.div(route_S, K, rounding_mode="floor")
+    mine_SK = dest_TK.index_select(0, tok_S) == dest_TK.reshape(-1).index_select(0, route_S)[:, None]
+    if dropped_TK is not None:
+        mine_SK &= ~dropped_TK.index_select(0, tok_S)
+    ids_SK = torch.where(mine_SK, (expert_ids_TK.long() % L).index_select(0, tok_S), -1)
+    w_SK = torch.where(mine_SK, weights_TK.index_select(0, tok_S), 0)
+    return x_SD, row_map_TK, torch.cat([w_SK.float(), ids_SK.float()], 1)
 
 
 def dedup_expand(x_RD: torch.Tensor, side_RK2: torch.Tensor, L: int):
