@@ -247,6 +247,17 @@ def _dedup_collectives():
     return ev
 
 
+@pytest.mark.parametrize("modes", [["regroup", "blocked", "source", "blocked"],
+                                   ["source", "source-over-blocked", "blocked", "source"]])
+def test_ranks_with_different_switches_agree_on_one_form(modes):
+    # MOEPAR_BLOCKED_A2A / MOEPAR_SOURCE_MAJOR differ across the ranks of one EP group: the
+    # group takes a form only if every rank allows it (no rank waits in calls its peers never
+    # issue), here the plain all-to-all; each rank's local layout may still differ.
+    out = run_ranks(_compare_dispatch_path, 4, modes, 1, 4, 1, VARIANTS[:2], False, dict(num_experts=8))
+    assert not any(blocks for blocks, _, _, _ in out)
+    _assert_close([r for _, _, _, r in out])
+
+
 def test_dedup_collectives_and_bytes():
     # Forced dedup: forward = counts, tokens, side message, tokens back; backward = the
     # mirror of the three data all-to-alls. The side message carries 2K fp32 per token row.

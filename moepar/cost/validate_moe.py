@@ -3,7 +3,7 @@
 Each row times ``Dispatcher.dispatch`` + ``combine`` (forward: the counts all-to-all, the
 token all-to-all and the one back, plus the local permute/regroup/unpermute they need) on
 an EP group of n ranks with uniform random top-k routing, and compares it with what the
-cost model prices for the same layer: the counts all-to-all (ep·(E/ep+8)·8 bytes) and two
+cost model prices for the same layer: the counts all-to-all (ep·(E/ep+9)·8 bytes) and two
 token all-to-alls of R·D·b. The model prices communication only, so the local work is
 the expected gap; rows carry op "moe_dispatch" to keep their error apart from the plain
 collectives' medians.
@@ -47,7 +47,7 @@ def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
     rows = []
     elem = ctx.bufs.elem
     for (n, T, D, E), m in zip(cases, measured):
-        counts_bytes = n * (E // n + 8) * 8
+        counts_bytes = n * (E // n + 9) * 8
         token_bytes = T * TOPK * D * elem
         pred = ctx.predict("all_to_all", n, counts_bytes)[0] + 2 * ctx.predict("all_to_all", n, token_bytes)[0]
         rows.append(Row("moe-dispatch", f"n={n} T={T} D={D} K={TOPK} E={E}", "moe_dispatch", n,

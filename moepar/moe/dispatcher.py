@@ -43,6 +43,8 @@ counts exchange and decide the same. Collectives: one more (small) all-to-all ea
 from __future__ import annotations
 
 import dataclasses
+import functools
+import operator
 import os
 
 import torch
@@ -58,8 +60,9 @@ from .dedup import dedup_expand, dedup_rows, dedup_send, group_dedups
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 # metadata appended to every counts row: hidden size, dtype code, error flag, capacity,
 # routes the sender dispatches in all, its dedup mode (0 off, 1 auto, 2 forced), its rows in
-# all with dedup, its rows with dedup for this recipient.
-_META = 8
+# all with dedup, the forms it allows (bit 0 blocked, bit 1 source-major), its rows with
+# dedup for this recipient (the last column).
+_META = 9
 # Most local experts for the blocked all-to-all (each block is one all-to-all call).
 BLOCKED_MAX_LOCAL = 16
 # ... and only when the EP group's mean bytes per (rank, local expert) block reach this:
@@ -143,7 +146,7 @@ class Dispatcher:
     # ---- the counts exchange doubles as a collective sanity check ----------------------
     def _exchange_counts(self, counts_E: torch.Tensor, hidden: int, dtype: torch.dtype,
                          error: str | None, capacity: int | None, dedup_P: torch.Tensor | None = None,
-                         dedup_mode: int = 0) -> torch.Tensor:
+                         dedup_mode: int = 0, forms: int = 0) -> torch.Tensor:
         """Send each EP peer the counts for its experts plus (hidden, dtype, error, capacity);
         receive [P, L + META]. Every rank checks every peer's metadata, so a bad input on one
         rank raises on all of them here, before any token moves."""
@@ -152,7 +155,7 @@ class Dispatcher:
             dedup_P, dedup_mode = torch.zeros(P, dtype=torch.int64), 0
         meta = torch.tensor([hidden, _DTYPES.index(dtype) if dtype in _DTYPES else -1,
                              0 if error is None else 1, capacity or 0, int(counts_E.sum()), dedup_mode,
-                             int(dedup_P.sum())], dtype=torch.int64)
+                             int(dedup_P.sum()), forms], dtype=torch.int64)
         send = torch.cat([counts_E.to("cpu", torch.int64).view(P, L), meta.expand(P, _META - 1),
                           dedup_P.to("cpu", torch.int64).view(P, 1)], dim=1)
         # Counts travel on the tokens' device (NCCL needs CUDA tensors); tiny.
@@ -190,7 +193,7 @@ class Dispatcher:
         ``source_major=True``: the caller can take the rows as they arrive, source-rank-major
         (``meta.segment_experts``/``segment_counts`` name each block's local expert; see
         GroupedExperts' ``segment_experts``). Where the rows would otherwise be regrouped or
-        sent in many per-expert calls (``_source_major``), that is then skipped.
+        sent in many per-expert calls (``_source_allowed``), that is then skipped.
 
         Dropless (``capacity=None``): with a TP group, each TP rank dispatches only its
         near-even share of the (replicated) tokens. Padded (``capacity`` = slots per expert):
@@ -245,14 +248,20 @@ class Dispatcher:
                     f"expert_ids has {n_bad} kept route(s) outside [0, num_experts={E})")
                 mode = self._dedup_mode(expert_ids_TK)
                 rows_P = dedup_rows(expert_ids_TK, dropped_TK, L, P) if mode else None
-                recv = self._exchange_counts(counts_E, D, x_TD.dtype, error, None, rows_P, mode)
+                # The forms this rank allows (environment switches, caller): the group takes
+                # one only if every rank allows it, so no two ranks issue different calls.
+                forms = int(self._blocked(x_TD)) | int(source_major and self._source_allowed()) << 1
+                recv = self._exchange_counts(counts_E, D, x_TD.dtype, error, None, rows_P, mode, forms)
                 counts_PL = recv[:, :L]
                 if mode and group_dedups(recv[:, L + 5], recv[:, L + 6], recv[:, L + 4]):
                     return self._dispatch_dedup(x_TD, expert_ids_TK, dropped_TK, weights_TK, rows_P, recv,
                                                 token_sizes)
+                group_forms = functools.reduce(operator.and_, recv[:, L + 7].tolist())
                 block_bytes = int(recv[:, L + 4].sum()) * D * x_TD.element_size() / (P * L)
-                blocked = self._blocked(x_TD) and block_bytes >= BLOCKED_MIN_BLOCK_BYTES
-                if source_major and self._source_major(blocked):
+                blocked = bool(group_forms & 1) and block_bytes >= BLOCKED_MIN_BLOCK_BYTES
+                # Source-major replaces the blocked form from SOURCE_MAJOR_MIN_LOCAL local experts
+                # on (a few large calls cost no more than one; many smaller ones do, docs/bench.md).
+                if group_forms & 2 and not (blocked and L < SOURCE_MAJOR_MIN_LOCAL):
                     blocked, keep_source = False, True
             key_TK = expert_ids_TK
             if blocked:
@@ -310,7 +319,7 @@ class Dispatcher:
         P, L = self.ep, self.num_local
         T = x_TD.shape[0]
         x_SD, row_map_TK, side_S = dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L, P)
-        send, recv_ = rows_P.tolist(), recv[:, L + 7].tolist()
+        send, recv_ = rows_P.tolist(), recv[:, L + 8].tolist()
         x_recv = comm.all_to_all(x_SD, self.ep_group, recv_, send, stats=self.stats, empty=workspace.empty)
         side_R = comm.all_to_all(side_S, self.ep_group, recv_, send, stats=self.stats)
         x_local, row_map_RK, w_RK = dedup_expand(x_recv, side_R, L)
@@ -373,18 +382,15 @@ class Dispatcher:
                 and x.device.type == "cpu" and dist.get_backend(self.ep_group) == "gloo"
                 and os.environ.get("MOEPAR_BLOCKED_A2A", "1") == "1")
 
-    def _source_major(self, blocked: bool) -> bool:
-        """Whether a caller that takes source-major rows gets them: on gloo (CPU), without
-        expert TP, with more than one local expert, except where the blocked all-to-all
-        applies to fewer than SOURCE_MAJOR_MIN_LOCAL local experts (a few large calls cost no
-        more than one; many smaller ones do, docs/bench.md). NCCL keeps expert-major rows (the
+    def _source_allowed(self) -> bool:
+        """Whether a caller that takes source-major rows may get them: on gloo (CPU), without
+        expert TP, with more than one local expert (``dispatch`` then prefers the blocked
+        form below SOURCE_MAJOR_MIN_LOCAL local experts). NCCL keeps expert-major rows (the
         regroup is cheap in HBM and grouped_mm wants one block per expert).
         ``MOEPAR_SOURCE_MAJOR=0`` turns it off."""
         if os.environ.get("MOEPAR_SOURCE_MAJOR", "1") == "0" or self.ep == 1 or self.etp > 1 or self.num_local == 1:
             return False
-        if dist.get_backend(self.ep_group) != "gloo":
-            return False
-        return not (blocked and self.num_local < SOURCE_MAJOR_MIN_LOCAL)
+        return dist.get_backend(self.ep_group) == "gloo"
 
     def _small_device(self, x: torch.Tensor) -> torch.device:
         return torch.device("cpu") if dist.get_backend(self.etp_group) == "gloo" else x.device
