@@ -258,6 +258,38 @@ def test_ranks_with_different_switches_agree_on_one_form(modes):
     _assert_close([r for _, _, _, r in out])
 
 
+def _dedup_and_routes_in(dtype_name):
+    """The same layer and batch with MOEPAR_DEDUP=1 and =0: outputs, input and weight grads."""
+    import os
+    dtype = getattr(torch, dtype_name)
+    state = init_parallel(1, 2, verbose=False)
+    moe = moe_ref.build(state, k=2, num_experts=8).to(dtype)
+    x, g = moe_ref.replica_input(state.dp_rank, 9, dtype=dtype)
+    out, calls = {}, {}
+    for env in ("1", "0"):
+        os.environ["MOEPAR_DEDUP"] = env
+        try:
+            moe.zero_grad()
+            xi = x.clone().requires_grad_()
+            y = moe(xi)
+            (y.float() * g.float()).sum().backward()
+        finally:
+            os.environ.pop("MOEPAR_DEDUP")
+        out[env] = [y.detach().float(), xi.grad.float()] + [p.grad.float() for p in moe.parameters()]
+        calls[env] = sum(e.op == "all_to_all" and not e.backward for e in moe.stats.comm.events)
+    return calls, max(float((a - b).abs().max() / (b.abs().max() + 1e-6)) for a, b in zip(out["1"], out["0"]))
+
+
+@pytest.mark.parametrize("dtype,tol", [("bfloat16", 2e-2), ("float64", 1e-6)])
+def test_dedup_equals_one_row_per_route_in_other_dtypes(dtype, tol):
+    # bf16 rows with the fp32 side message (weights and their gradients), and float64. Both
+    # forms combine with fp32 weights and accumulation (unpermute's contract), in a different
+    # order: float64 agrees to fp32 rounding.
+    for calls, rel in run_ranks(_dedup_and_routes_in, 2, dtype):
+        assert calls == {"1": 4, "0": 3}     # the side message: dedup ran, then did not
+        assert rel <= tol
+
+
 def test_dedup_collectives_and_bytes():
     # Forced dedup: forward = counts, tokens, side message, tokens back; backward = the
     # mirror of the three data all-to-alls. The side message carries 2K fp32 per token row.
