@@ -6,10 +6,12 @@ K top-k, N routes this rank sends (kept routes, or E*C rows when padded to capac
 M rows this rank's experts process, S = ep*etp source blocks, P the EP group size.
 
 Collectives per call (b = bytes per element), in order:
-  dispatch: [ep>1] counts all-to-all, P*(L+5) int64 ; [ep>1] token all-to-all, N*D*b sent;
+  dispatch: [ep>1] counts all-to-all, P*(L+9) int64 ; [ep>1] token all-to-all, N*D*b sent;
             [etp>1] all-gather of the counts matrix (etp*ep*L*8) and of the rows (etp*M_r*D*b)
   combine:  [etp>1] reduce-scatter of the partial outputs (etp*M_r*D*b) ; [ep>1] token all-to-all back
   backward: the mirror of each token collective (all-to-all <-> all-to-all, all-gather <-> reduce-scatter).
+  dedup (below): token all-to-alls of S*D*b (S = rows, one per token and destination rank) and a
+            side all-to-all of S*2K*4 each way.
 The dispatcher keeps no state between calls: everything ``combine`` needs is in ``DispatchMeta``.
 
 Regroup. The token all-to-all delivers source-major rows (block s from EP peer s, inside it
