@@ -11,6 +11,8 @@ dropless, E*C/tp*... rows padded): see docs/moe.md for the table the cost model 
   backward: the mirrors: 2 token all-to-alls, [etp>1] reduce-scatter + all-gather,
             [tp>1, not SP] all-gather of dX (T*D*b) and of d(weights) (T*K*4),
             [shared, tp>1] all-reduce of dX.
+  dedup (dispatcher, MOEPAR_DEDUP): token all-to-alls of f*R*D*b plus a side all-to-all of
+            f*R*2K*4 each way (f = rows per route: one row per token and destination rank).
 """
 from __future__ import annotations
 
