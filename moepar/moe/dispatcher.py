@@ -238,16 +238,18 @@ class Dispatcher:
             if P > 1:
                 # Counts first (a histogram of the kept routes), so that the EP group can agree
                 # on the all-to-all's form before the rows are permuted for it.
-                # Out-of-range ids land in bin E; a rank that has any tells its peers in the
-                # exchange, and every rank raises there (nobody waits in the token all-to-all).
+                # Out-of-range ids (dropped routes' too: the permute rejects any) land in bin E;
+                # a rank that has any tells its peers in the exchange, and every rank raises
+                # there (nobody waits in the token all-to-all).
                 ids_R = expert_ids_TK.reshape(-1).long()
-                ids_R = torch.where((ids_R >= 0) & (ids_R < E), ids_R, E)
+                bad_R = (ids_R < 0) | (ids_R >= E)
+                ids_R = ids_R.masked_fill(bad_R, E)
                 ones_R = torch.ones_like(ids_R) if dropped_TK is None else (~dropped_TK).reshape(-1).long()
-                counts_E1 = torch.zeros(E + 1, dtype=torch.int64, device=ids_R.device).scatter_add_(0, ids_R, ones_R)
-                counts_E = counts_E1[:E]
-                n_bad = int(counts_E1[E])
+                counts_E = torch.zeros(E + 1, dtype=torch.int64, device=ids_R.device).scatter_add_(
+                    0, ids_R, ones_R)[:E]
+                n_bad = int(bad_R.sum())
                 error = None if n_bad == 0 else (
-                    f"expert_ids has {n_bad} kept route(s) outside [0, num_experts={E})")
+                    f"expert_ids has {n_bad} route(s) outside [0, num_experts={E})")
                 mode = self._dedup_mode(expert_ids_TK)
                 rows_P = dedup_rows(expert_ids_TK, dropped_TK, L, P) if mode else None
                 # The forms this rank allows (environment switches, caller): the group takes
