@@ -334,6 +334,12 @@ def _bad_inputs():
         errors.append(None)
     except ValueError as e:
         errors.append(str(e))
+    try:  # only rank 1 passes routing weights of the wrong shape (combine would reject them)
+        ids = torch.tensor([[0, 1], [2, 3]])
+        moe.dispatcher.dispatch(torch.randn(2, 8), ids, None, torch.full((2, 3 if dist.get_rank() == 1 else 2), 0.5))
+        errors.append(None)
+    except ValueError as e:
+        errors.append(str(e))
     try:  # only rank 1 has an out-of-range id, on a dropped route (the permute rejects it too)
         ids = torch.tensor([[0, 1], [2, -3 if dist.get_rank() == 1 else 3]])
         dropped = torch.tensor([[False, False], [False, True]])
@@ -351,8 +357,10 @@ def test_bad_input_raises_on_every_rank():
         assert "k=5" in errors[2]
         assert "hidden=8" in errors[3]
         assert errors[4] is not None and errors[5] is not None, errors
-        for e in errors[6:8]:
+        for e in errors[6:9:2]:
             assert ("outside [0, num_experts=4)" if rank == 1 else "EP rank(s) [1] reported invalid input") in e
+        assert ("weights_TK must be a floating-point tensor of expert_ids_TK's shape (2, 2), got torch.float32 "
+                "of shape (2, 3)" if rank == 1 else "EP rank(s) [1] reported invalid input") in errors[7]
 
 
 def _nan_tokens(check):

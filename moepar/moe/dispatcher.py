@@ -203,6 +203,11 @@ class Dispatcher:
         a multiple of tp, empty slots zero; the TP ranks split each expert's slots, so every
         all-to-all split is equal.
         """
+        error = _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, capacity)
+        if error is not None:   # tell the EP peers first (they wait in the counts exchange)
+            hidden = int(x_TD.shape[-1]) if isinstance(x_TD, torch.Tensor) and x_TD.dim() else 0
+            dtype = x_TD.dtype if isinstance(x_TD, torch.Tensor) else torch.float32
+            self.preflight_error(f"MoE dispatch: {error}", hidden, dtype)
         T, D = x_TD.shape
         E, L, P = self.num_experts, self.num_local, self.ep
         keep_source = False
@@ -398,6 +403,33 @@ class Dispatcher:
 
     def _small_device(self, x: torch.Tensor) -> torch.device:
         return torch.device("cpu") if dist.get_backend(self.etp_group) == "gloo" else x.device
+
+
+def _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, capacity) -> str | None:
+    """What is wrong with ``dispatch``'s arguments, or None: checked before any collective so
+    that a rank with bad arguments raises together with its peers, not alone after them."""
+    if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2 or not x_TD.is_floating_point():
+        return f"x_TD must be a 2-D floating-point [T, D] tensor, got {getattr(x_TD, 'dtype', type(x_TD))} " \
+               f"of shape {tuple(getattr(x_TD, 'shape', ()))}"
+    T = x_TD.shape[0]
+    if (not isinstance(expert_ids_TK, torch.Tensor) or expert_ids_TK.dim() != 2 or expert_ids_TK.shape[0] != T
+            or expert_ids_TK.dtype not in (torch.int64, torch.int32)):
+        return f"expert_ids_TK must be an int64 or int32 [T={T}, K] tensor, got " \
+               f"{getattr(expert_ids_TK, 'dtype', type(expert_ids_TK))} of shape {tuple(getattr(expert_ids_TK, 'shape', ()))}"
+    shape = tuple(expert_ids_TK.shape)
+    if dropped_TK is not None and (not isinstance(dropped_TK, torch.Tensor) or dropped_TK.dtype != torch.bool
+                                   or tuple(dropped_TK.shape) != shape):
+        return f"dropped_TK must be None or a bool tensor of expert_ids_TK's shape {shape}, got " \
+               f"{getattr(dropped_TK, 'dtype', type(dropped_TK))} of shape {tuple(getattr(dropped_TK, 'shape', ()))}"
+    if (not isinstance(weights_TK, torch.Tensor) or not weights_TK.is_floating_point()
+            or tuple(weights_TK.shape) != shape):
+        return f"weights_TK must be a floating-point tensor of expert_ids_TK's shape {shape}, got " \
+               f"{getattr(weights_TK, 'dtype', type(weights_TK))} of shape {tuple(getattr(weights_TK, 'shape', ()))}"
+    if any(t is not None and t.device != x_TD.device for t in (expert_ids_TK, dropped_TK, weights_TK)):
+        return f"expert_ids_TK, dropped_TK and weights_TK must be on x_TD's device {x_TD.device}"
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        return f"capacity={capacity!r} must be None or an integer >= 0"
+    return None
 
 
 def _regroup_index(counts_SL: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
