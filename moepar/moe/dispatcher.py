@@ -105,7 +105,7 @@ class DispatchMeta:
 
     num_tokens: int
     row_map_TK: torch.Tensor             # [T, K] row of each route in the permuted buffer, -1 dropped
-    weights_TK: torch.Tensor             # [T, K] combine weights (in the graph)
+    weights_TK: torch.Tensor | None      # [T, K] combine weights (in the graph); None with dedup
     send_splits: list[int] | None        # rows sent to each EP peer
     recv_splits: list[int] | None        # rows received from each EP peer
     etp_sizes: list[int] | None          # rows each ETP peer received (all-gather sizes)
@@ -333,7 +333,8 @@ class Dispatcher:
         side_R = comm.all_to_all(side_S, self.ep_group, recv_, send, stats=self.stats)
         x_local, row_map_RK, w_RK = dedup_expand(x_recv, side_R, L)
         counts_PL = recv[:, :L]
-        meta = DispatchMeta(T, row_map_TK, weights_TK, send, recv_, None, None, counts_PL.sum(0), counts_PL,
+        # The weights were applied on the receiver: the sender's unpermute sums with weight 1.
+        meta = DispatchMeta(T, row_map_TK, None, send, recv_, None, None, counts_PL.sum(0), counts_PL,
                             None, token_sizes, dedup=(row_map_RK, w_RK))
         return x_local, meta
 
@@ -350,15 +351,9 @@ class Dispatcher:
     def combine(self, y_local: torch.Tensor, meta: DispatchMeta) -> torch.Tensor:
         """Inverse of ``dispatch``; weights each route's output and sums per token: [T, D]."""
         y = y_local
-        if meta.dedup is not None:
+        if meta.dedup is not None:   # each received row's weighted expert outputs, summed here
             row_map_RK, w_RK = meta.dedup
             y = unpermute(y, row_map_RK, w_RK, row_map_RK.shape[0])
-            y = comm.all_to_all(y, self.ep_group, meta.send_splits, meta.recv_splits, stats=self.stats,
-                                empty=workspace.empty)
-            y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0])
-            if meta.token_sizes is not None:
-                y = comm.gather_from_region(y, self.tp_group, 0, meta.token_sizes, stats=self.stats)
-            return y
         if meta.regroup is not None:
             idx, inv = meta.regroup
             y = _PermuteRows.apply(y, inv, idx)
