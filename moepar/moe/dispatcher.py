@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from moepar_kernels import workspace
-from moepar_kernels.permute import permute, unpermute
+from moepar_kernels.permute import _check_permute, permute, unpermute
 
 from ..parallel import comm
 from .dedup import dedup_expand, dedup_rows, dedup_send, group_dedups
@@ -203,7 +203,7 @@ class Dispatcher:
         a multiple of tp, empty slots zero; the TP ranks split each expert's slots, so every
         all-to-all split is equal.
         """
-        error = _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, capacity)
+        error = _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, self.num_experts, capacity)
         if error is not None:   # tell the EP peers first (they wait in the counts exchange)
             hidden = int(x_TD.shape[-1]) if isinstance(x_TD, torch.Tensor) and x_TD.dim() else 0
             dtype = x_TD.dtype if isinstance(x_TD, torch.Tensor) else torch.float32
@@ -400,30 +400,26 @@ class Dispatcher:
         return torch.device("cpu") if dist.get_backend(self.etp_group) == "gloo" else x.device
 
 
-def _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, capacity) -> str | None:
+def _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, num_experts, capacity) -> str | None:
     """What is wrong with ``dispatch``'s arguments, or None: checked before any collective so
-    that a rank with bad arguments raises together with its peers, not alone after them."""
-    if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2 or not x_TD.is_floating_point():
-        return f"x_TD must be a 2-D floating-point [T, D] tensor, got {getattr(x_TD, 'dtype', type(x_TD))} " \
-               f"of shape {tuple(getattr(x_TD, 'shape', ()))}"
-    T = x_TD.shape[0]
-    if (not isinstance(expert_ids_TK, torch.Tensor) or expert_ids_TK.dim() != 2 or expert_ids_TK.shape[0] != T
-            or expert_ids_TK.dtype not in (torch.int64, torch.int32)):
-        return f"expert_ids_TK must be an int64 or int32 [T={T}, K] tensor, got " \
-               f"{getattr(expert_ids_TK, 'dtype', type(expert_ids_TK))} of shape {tuple(getattr(expert_ids_TK, 'shape', ()))}"
+    that a rank with bad arguments raises together with its peers, not alone after them. The
+    permute's own checks, plus what only the dispatcher needs (floating x, the weights)."""
+    for name, t in (("x_TD", x_TD), ("expert_ids_TK", expert_ids_TK), ("weights_TK", weights_TK),
+                    ("dropped_TK", dropped_TK)):
+        if not (isinstance(t, torch.Tensor) or (t is None and name == "dropped_TK")):
+            return f"{name} must be a tensor, got {type(t).__name__}"
+    try:
+        _check_permute(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
+    except ValueError as e:
+        return str(e)
+    if not x_TD.is_floating_point():
+        return f"x_TD must be floating point, got {x_TD.dtype}"
     shape = tuple(expert_ids_TK.shape)
-    if dropped_TK is not None and (not isinstance(dropped_TK, torch.Tensor) or dropped_TK.dtype != torch.bool
-                                   or tuple(dropped_TK.shape) != shape):
-        return f"dropped_TK must be None or a bool tensor of expert_ids_TK's shape {shape}, got " \
-               f"{getattr(dropped_TK, 'dtype', type(dropped_TK))} of shape {tuple(getattr(dropped_TK, 'shape', ()))}"
-    if (not isinstance(weights_TK, torch.Tensor) or not weights_TK.is_floating_point()
-            or tuple(weights_TK.shape) != shape):
+    if not weights_TK.is_floating_point() or tuple(weights_TK.shape) != shape:
         return f"weights_TK must be a floating-point tensor of expert_ids_TK's shape {shape}, got " \
-               f"{getattr(weights_TK, 'dtype', type(weights_TK))} of shape {tuple(getattr(weights_TK, 'shape', ()))}"
-    if any(t is not None and t.device != x_TD.device for t in (expert_ids_TK, dropped_TK, weights_TK)):
-        return f"expert_ids_TK, dropped_TK and weights_TK must be on x_TD's device {x_TD.device}"
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
-        return f"capacity={capacity!r} must be None or an integer >= 0"
+               f"{weights_TK.dtype} of shape {tuple(weights_TK.shape)}"
+    if weights_TK.device != x_TD.device:
+        return f"weights_TK is on {weights_TK.device} but x_TD is on {x_TD.device}"
     return None
 
 
