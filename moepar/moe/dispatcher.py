@@ -56,7 +56,7 @@ from moepar_kernels import workspace
 from moepar_kernels.permute import _check_permute, permute, unpermute
 
 from ..parallel import comm
-from .dedup import dedup_expand, dedup_rows, dedup_send, group_dedups
+from .dedup import DEDUP_MAX_FRACTION, dedup_expand, dedup_rows, dedup_send, group_dedups
 
 # dtypes are exchanged as small integer codes in the counts message.
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
@@ -340,11 +340,14 @@ class Dispatcher:
 
     def _dedup_mode(self, expert_ids_TK: torch.Tensor) -> int:
         """This rank's dedup vote: 0 off, 1 auto, 2 forced (``MOEPAR_DEDUP`` = 0 / auto / 1).
-        Dedup needs more than one route per token and no expert TP."""
+        Dedup needs more than one route per token and no expert TP. "auto" votes off at once
+        where it can never apply (a token sends at least one row, so rows/routes >= 1/K):
+        the row count is then not computed on the hot path."""
         env = os.environ.get("MOEPAR_DEDUP", "auto")
         if env not in ("0", "1", "auto"):
             raise ValueError(f"MOEPAR_DEDUP={env!r} must be 0, 1 or auto")
-        if env == "0" or self.etp > 1 or expert_ids_TK.shape[1] < 2:
+        K = expert_ids_TK.shape[1]
+        if env == "0" or self.etp > 1 or K < 2 or (env == "auto" and 1 / K > DEDUP_MAX_FRACTION):
             return 0
         return 2 if env == "1" else 1
 
