@@ -175,6 +175,7 @@ def test_dispatch_bench_on_two_gloo_ranks():
     assert row["passes_ms"] > 0 and row["counts_ms"] > 0
     assert row["a2a"] != "one, dedup" and row["raw_routes_ms"] == row["raw_ms"]
     assert row["floor_ms"] > 0 and row["floor_ratio"] == row["floor_ms"] / row["raw_ms"]
+    assert row["floor_moe_ms"] > 0 and row["floor_moe_ratio"] == row["floor_moe_ms"] / row["raw_ms"]
     (layer,) = out["layer"]
     assert layer["moepar_ms"] > 0 and layer["load_max_over_mean"] > 1.2
     assert ("ratio" in layer) == deepspeed_status()[0]
@@ -187,6 +188,7 @@ def test_dispatch_bench_with_dedup_compares_both_byte_counts():
     assert row["a2a"] == "one, dedup" and row["correct"] is True
     assert row["raw_routes_ms"] > 0 and row["ratio_routes"] == row["dispatch_ms"] / row["raw_routes_ms"]
     assert row["floor_ratio"] == row["floor_ms"] / row["raw_routes_ms"]
+    assert row["floor_moe_ratio"] == row["floor_moe_ms"] / row["raw_routes_ms"]
 
 
 def _argmax_rounds(key, k):
