@@ -255,7 +255,8 @@ def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Te
     grad_y = workspace.empty((N, D), dtype, grad_TD.device) if T else grad_TD.new_zeros(N, D, dtype=dtype)
     dot_N = None if y_ND is None else (torch.empty if T else torch.zeros)(N, dtype=torch.float32,
                                                                          device=grad_TD.device)
-    w_N = weights_TK.reshape(-1).to(torch.float32).index_select(0, route) if weights_TK is not None else None
+    # (with no tokens every row is padding and route 0 names no weight: nothing to gather)
+    w_N = weights_TK.reshape(-1).to(torch.float32).index_select(0, route) if weights_TK is not None and T else None
     step = max(1, _BWD_CHUNK_ELEMS // max(D, 1))
     for n0 in range(0, N if T else 0, step):
         n1 = min(N, n0 + step)
@@ -270,7 +271,8 @@ def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Te
     grad_w = None
     if dot_N is not None:
         grad_w = torch.zeros(T * K, dtype=torch.float32, device=grad_TD.device)
-        grad_w.index_add_(0, route, dot_N.masked_fill_(~valid, 0) if any_pad else dot_N)
+        if T:
+            grad_w.index_add_(0, route, dot_N.masked_fill_(~valid, 0) if any_pad else dot_N)
         grad_w = grad_w.view(T, K)
     return grad_y, grad_w
 
