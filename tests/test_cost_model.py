@@ -140,6 +140,8 @@ def test_tp_ep_etp_layer_collectives():
     assert {"attention SP gather", "attention SP scatter", "shared experts SP scatter",
             "aux-loss statistics"} <= names
     assert [c for c in sp if c.name == "aux-loss statistics"][0].nbytes == 3 * 8 * 4
+    counts = [c for c in sp if c.name == "shared experts SP token counts"]
+    assert [(c.op, c.phase, c.nbytes) for c in counts] == [("all_gather", "fwd", 2 * 8)]
 
 
 def test_step_collectives_per_zero_stage():

@@ -429,3 +429,40 @@ def comm_split(n, state):
 def test_global_aux_loss_scope_equals_the_global_batch_loss(tp, ep, sp):
     for aux_diff, grad_diff in run_ranks(_global_aux, 4, tp, ep, sp):
         assert aux_diff <= 1e-6 and grad_diff <= 1e-5, (aux_diff, grad_diff)
+
+
+def _sp_shared_uneven(tp, ep, tokens):
+    """Sequence parallelism with shared experts, each TP rank holding its own (uneven)
+    slice of its replica's tokens: outputs, input gradients and weight gradients against
+    the single-process layer on the whole replicas."""
+    state = init_parallel(tp, ep, verbose=False)
+    kw = dict(k=2, num_shared_experts=1)
+    moe = moe_ref.build(state, sequence_parallel=True, **kw)
+    ref = moe_ref.build(None, **kw)
+    for d in range(state.dp_size):
+        xd, gd = moe_ref.replica_input(d, tokens[d])
+        xd.requires_grad_()
+        yd = ref(xd)
+        ((yd * gd).sum() + aux_loss(ref)).backward()
+        if d == state.dp_rank:
+            x_ref, y_ref, g = xd, yd, gd
+    lo, hi = comm_split(x_ref.shape[0], state)
+    x = x_ref.detach()[lo:hi].clone().requires_grad_()
+    y = moe(x)
+    # Under SP every TP rank's aux loss is the replica's (statistics summed over TP), its
+    # gradient flowing through the rank's own tokens: each rank adds it.
+    ((y * g[lo:hi]).sum() + aux_loss(moe)).backward()
+    allreduce_gradients(moe, state, op="sum")
+    grads = moe_ref.max_param_diff(moe, ref, state, use_grad=True)
+    diff = lambda a, b: float((a - b).detach().abs().max()) if a.numel() else 0.0
+    return hi - lo, diff(y, y_ref[lo:hi]), diff(x.grad, x_ref.grad[lo:hi]), max(grads.values())
+
+
+def test_sequence_parallel_shared_experts_with_uneven_token_slices():
+    # 5 and 1 tokens per replica over tp=2: slices of 3/2 and 1/0 tokens. The shared
+    # experts' all-gather and reduce-scatter take each TP rank's own count (they assumed
+    # equal slices and failed with a collective size mismatch).
+    out = run_ranks(_sp_shared_uneven, 4, 2, 2, [5, 1])
+    assert sorted(n for n, *_ in out) == [0, 1, 2, 3]
+    for n, dy, dx, dg in out:
+        assert dy <= 1e-5 and dx <= 1e-5 and dg <= 1e-5, (n, dy, dx, dg)

@@ -15,7 +15,8 @@ Per MoE layer and micro-batch (what ``moepar.moe`` issues):
            [etp>1] reduce-scatter partial out   etp·R·D·b    ETP
            [ep>1]  combine all-to-all           R·D·b        EP
            [tp>1, no SP] all-gather outputs     T·D·b        TP
-           shared experts [tp>1]: all-reduce T·D·b (SP: all-gather + reduce-scatter)
+           shared experts [tp>1]: all-reduce T·D·b (SP: all-gather + reduce-scatter, and
+           an all-gather of the TP ranks' token counts tp·8 forward)
            [SP, tp>1] aux-loss statistics all-reduce 3·E·4   TP
   backward the mirrors: 2 all-to-alls R·D·b; [etp>1] all-gather + reduce-scatter;
            [tp>1, no SP] all-gather of the input gradient T·D·b and of the routing-weight
@@ -111,6 +112,8 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                 add("routing-weight grad gather", "all_gather", "tp", phase, T * K * FP32, "T·K·4")
         if spec.shared_experts and tp > 1:
             if sp:
+                if phase == "fwd":   # the TP ranks' token counts (their slices may differ)
+                    add("shared experts SP token counts", "all_gather", "tp", phase, tp * INT64, "tp·8")
                 add("shared experts SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
                 add("shared experts SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
             else:

@@ -66,15 +66,16 @@ class SharedExperts(nn.Module):
                    if activation == "swiglu" else None)
         self.w2 = RowParallelLinear(ffn_hidden, hidden, init_seed=init_seed + 2, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.w1(x)
+    def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None) -> torch.Tensor:
+        """``sequence_sizes``: with sequence parallelism, every TP rank's token count."""
+        h = self.w1(x, sequence_sizes)
         if self.activation == "swiglu":
-            h = F.silu(h) * self.w3(x)
+            h = F.silu(h) * self.w3(x, sequence_sizes)
         elif self.activation == "gelu":
             h = F.gelu(h)
         else:
             h = F.relu(h)
-        return self.w2(h)
+        return self.w2(h, sequence_sizes)
 
 
 class MoE(nn.Module):
@@ -205,7 +206,7 @@ class MoE(nn.Module):
             y_local = self.experts.add_output_bias(y_local, meta.tokens_per_local_expert)
         y_TD = self.dispatcher.combine(y_local, meta)
         if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD)
+            y_TD = y_TD + self.shared(x_TD, self._sequence_sizes(x_TD))
         self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
         if self.aux_loss_scope == "global" and self.state.dp_size > 1:
             # Each replica back-propagates only its own tokens' share of the global loss and
@@ -217,6 +218,18 @@ class MoE(nn.Module):
         self._stats.routes = routing.expert_ids.numel()
         self._stats.dropped = routing.dropped.sum().detach()
         return y_TD.reshape(shape)
+
+    def _sequence_sizes(self, x_TD: torch.Tensor) -> list[int] | None:
+        """Under sequence parallelism, every TP rank's token count (one small all-gather
+        over the TP group), so that the shared experts' all-gather and reduce-scatter agree
+        on the sizes also where the TP ranks' slices differ (a token count not divisible by
+        tp, a rank with no tokens). None without SP or TP."""
+        if not self.sequence_parallel or self.tp == 1:
+            return None
+        group = self.state.tp_group
+        dev = torch.device("cpu") if dist.get_backend(group) == "gloo" else x_TD.device
+        n = torch.tensor([[x_TD.shape[0]]], dtype=torch.int64, device=dev)
+        return comm.all_gather_rows(n, group, stats=self._stats.comm).flatten().tolist()
 
     def _aux_group(self):
         """The ranks whose tokens the aux/z statistics cover (None: this rank alone).

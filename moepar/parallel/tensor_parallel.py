@@ -10,6 +10,7 @@ RowParallel: fwd all-reduce of Y [T, O] (or SP: fwd reduce-scatter / bwd all-gat
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -78,11 +79,13 @@ class ColumnParallelLinear(_TPModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """``sequence_sizes``: with sequence parallelism, every TP rank's length along
+        ``sequence_dim`` where they may differ (None: all equal, Megatron's rule)."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
         if self.sequence_parallel:
-            x = comm.gather_from_sequence_region(x, self.group, dim=self.sequence_dim)
+            x = comm.gather_from_sequence_region(x, self.group, dim=self.sequence_dim, sizes=sequence_sizes)
         else:
             x = comm.copy_to_region(x, self.group)
         y = F.linear(x, self.weight, self.bias)
@@ -123,7 +126,9 @@ class RowParallelLinear(_TPModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None) -> torch.Tensor:
+        """``sequence_sizes``: with sequence parallelism, every TP rank's length of the
+        reduce-scattered ``sequence_dim`` where they may differ (None: all equal)."""
         if not self.input_is_parallel:
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
@@ -133,7 +138,7 @@ class RowParallelLinear(_TPModule):
                              f"(input_is_parallel=True expects the rank's slice)")
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = comm.reduce_scatter_to_region(y, self.group, dim=self.sequence_dim)
+            y = comm.reduce_scatter_to_region(y, self.group, dim=self.sequence_dim, sizes=sequence_sizes)
         else:
             y = comm.reduce_from_region(y, self.group)
         return y if self.bias is None else y + self.bias
