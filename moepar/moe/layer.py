@@ -89,8 +89,8 @@ class MoE(nn.Module):
     (DeepSpeed's behaviour); "global" over the whole global batch (all data-parallel
     replicas), which makes training independent of the dp size.
     ``sequence_parallel=True`` means x holds this TP rank's own slice of the tokens (the
-    aux-loss statistics are then summed over the TP group); otherwise x is replicated over
-    the TP group and each TP rank dispatches a 1/tp share of it.
+    slices may differ in length; the aux-loss statistics are then summed over the TP group);
+    otherwise x is replicated over the TP group and each TP rank dispatches a 1/tp share of it.
     """
 
     def __init__(self, hidden: int, num_experts: int, ep_size: int = 1, *, k: int = 2,
