@@ -175,8 +175,12 @@ def test_layouts_that_do_not_fit_name_the_valid_values():
         check_fits(mixtral(), CostLayout(24, 8, ep=3))
     with pytest.raises(ValueError, match=r"gpus=8 is not divisible by tp=3; valid tp: 1, 2, 4, 8"):
         CostLayout(8, 8, tp=3)
-    with pytest.raises(ValueError, match="ep x etp"):
+    with pytest.raises(ValueError, match="ep x etp = 4 x 4; valid ep with etp=4: 1, 2$"):
         CostLayout(8, 8, ep=4, etp=4)
+    # etp alone does not divide the GPUs: no ep would do, so the message names the valid etp
+    # (it used to end in an empty list)
+    with pytest.raises(ValueError, match="etp=3 itself does not divide gpus; valid etp: 1, 2, 4, 8$"):
+        CostLayout(8, 8, ep=2, etp=3)
     with pytest.raises(ValueError, match="not a whole number of nodes"):
         CostLayout(12, 8)
     with pytest.raises(ValueError, match="topk=9 must be <= experts=8"):

@@ -135,8 +135,10 @@ class CostLayout:
                              f"valid tp: {', '.join(map(str, divisors(self.gpus)))}")
         if self.gpus % (self.ep * self.etp):
             valid = [d for d in divisors(self.gpus // self.etp) if self.gpus % (d * self.etp) == 0]
-            raise ValueError(f"gpus={self.gpus} is not divisible by ep x etp = {self.ep} x {self.etp}; "
-                             f"valid ep with etp={self.etp}: {', '.join(map(str, valid))}")
+            hint = (f"valid ep with etp={self.etp}: {', '.join(map(str, valid))}" if self.gpus % self.etp == 0
+                    else f"etp={self.etp} itself does not divide gpus; valid etp: "
+                         f"{', '.join(map(str, divisors(self.gpus)))}")
+            raise ValueError(f"gpus={self.gpus} is not divisible by ep x etp = {self.ep} x {self.etp}; {hint}")
 
     @property
     def dp(self) -> int:
