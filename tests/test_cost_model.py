@@ -78,6 +78,12 @@ def test_imbalance_and_capacity_change_the_most_loaded_rank():
     tiny = routes_per_rank(MoESpec(64, 128, 8, 1, tokens=1, capacity_factor=1.0, min_capacity=4),
                            CostLayout(2, 8, ep=2))
     assert tiny.capacity == 4 and tiny.max == 1                              # one token
+    # min_capacity=0 (no minimum) is the layer's rule too; it was refused here
+    no_min = routes_per_rank(MoESpec(64, 128, 8, 1, tokens=2, capacity_factor=1.0, min_capacity=0),
+                             CostLayout(2, 8, ep=2, tp=2))
+    assert no_min.capacity == 1
+    with pytest.raises(ValueError, match="min_capacity=-1 must be an integer >= 0"):
+        MoESpec(64, 128, 8, 1, tokens=1, capacity_factor=1.0, min_capacity=-1)
 
 
 def test_imbalance_from_measured_counts():

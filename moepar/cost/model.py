@@ -70,9 +70,12 @@ class MoESpec:
 
     def __post_init__(self) -> None:
         _positive(hidden=self.hidden, ffn=self.ffn, experts=self.experts, topk=self.topk,
-                  tokens=self.tokens, min_capacity=self.min_capacity, layers=self.layers,
+                  tokens=self.tokens, layers=self.layers,
                   heads=self.heads, kv_heads=self.kv_heads, micro_batches=self.micro_batches,
                   shared_ffn=self.shared_ffn, seq_len=self.seq_len)
+        if isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int) or self.min_capacity < 0:
+            # the layer's rule (TopKRouter): 0 means no minimum
+            raise ValueError(f"min_capacity={self.min_capacity!r} must be an integer >= 0")
         if self.topk > self.experts:
             raise ValueError(f"topk={self.topk} must be <= experts={self.experts}")
         if self.dtype not in DTYPE_BYTES:
