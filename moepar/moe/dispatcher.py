@@ -161,7 +161,7 @@ class Dispatcher:
         send = torch.cat([counts_E.to("cpu", torch.int64).view(P, L), meta.expand(P, _META - 1),
                           dedup_P.to("cpu", torch.int64).view(P, 1)], dim=1)
         # Counts travel on the tokens' device (NCCL needs CUDA tensors); tiny.
-        device = torch.device("cpu") if dist.get_backend(self.ep_group) == "gloo" else counts_E.device
+        device = comm.small_device(self.ep_group, counts_E)
         recv = comm.all_to_all_rows(send.to(device), self.ep_group, None, None, stats=self.stats).cpu()
         peers = recv[:, L:]
         me = dist.get_rank(self.ep_group)
@@ -298,7 +298,7 @@ class Dispatcher:
         if self.etp > 1:
             # Every ETP rank needs the rows of all its ETP peers (each holds a slice of the
             # same experts): gather the counts matrices, then the rows.
-            mats = comm.all_gather_rows(counts_PL.to(self._small_device(x_TD)), self.etp_group,
+            mats = comm.all_gather_rows(counts_PL.to(comm.small_device(self.etp_group, x_TD)), self.etp_group,
                                         stats=self.stats).cpu()
             counts_SL = mats.view(self.etp * P, L)
             etp_sizes = mats.view(self.etp, P * L).sum(1).tolist()
@@ -398,9 +398,6 @@ class Dispatcher:
         if os.environ.get("MOEPAR_SOURCE_MAJOR", "1") == "0" or self.ep == 1 or self.etp > 1 or self.num_local == 1:
             return False
         return dist.get_backend(self.ep_group) == "gloo"
-
-    def _small_device(self, x: torch.Tensor) -> torch.device:
-        return torch.device("cpu") if dist.get_backend(self.etp_group) == "gloo" else x.device
 
 
 def _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, num_experts, capacity) -> str | None:

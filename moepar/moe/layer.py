@@ -227,8 +227,7 @@ class MoE(nn.Module):
         if not self.sequence_parallel or self.tp == 1:
             return None
         group = self.state.tp_group
-        dev = torch.device("cpu") if dist.get_backend(group) == "gloo" else x_TD.device
-        n = torch.tensor([[x_TD.shape[0]]], dtype=torch.int64, device=dev)
+        n = torch.tensor([[x_TD.shape[0]]], dtype=torch.int64, device=comm.small_device(group, x_TD))
         return comm.all_gather_rows(n, group, stats=self._stats.comm).flatten().tolist()
 
     def _aux_group(self):

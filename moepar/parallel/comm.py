@@ -125,6 +125,12 @@ def _is_gloo(group) -> bool:
     return dist.get_backend(group) == "gloo"
 
 
+def small_device(group, like: torch.Tensor) -> torch.device:
+    """Where a small control tensor (counts, sizes) for ``group`` travels: the CPU on gloo,
+    else ``like``'s device (NCCL needs CUDA tensors)."""
+    return torch.device("cpu") if _is_gloo(group) else like.device
+
+
 def _all_gather_equal(x: torch.Tensor, group, backward: bool, stats: CommStats | None) -> list[torch.Tensor]:
     """Equal-shape all-gather; bytes = P * x bytes. Gloo gets the list form."""
     size = group_size(group)
