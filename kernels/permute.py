@@ -246,19 +246,19 @@ def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Te
     One write of grad_y and one read of y: no [N, D] temporaries."""
     N = route_N.shape[0]
     T, D = grad_TD.shape
+    if T == 0:   # no tokens: every row is capacity padding, its gradient zero; no weights to touch
+        return (grad_TD.new_zeros(N, D, dtype=dtype),
+                None if y_ND is None else torch.zeros(0, K, dtype=torch.float32, device=grad_TD.device))
     valid = route_N >= 0
     any_pad = N > 0 and not bool(valid.all())
     route = route_N.clamp(min=0)
     tok = route // K
     src = grad_TD.to(dtype)
-    # (no tokens: padding rows only, all zero)
-    grad_y = workspace.empty((N, D), dtype, grad_TD.device) if T else grad_TD.new_zeros(N, D, dtype=dtype)
-    dot_N = None if y_ND is None else (torch.empty if T else torch.zeros)(N, dtype=torch.float32,
-                                                                         device=grad_TD.device)
-    # (with no tokens every row is padding and route 0 names no weight: nothing to gather)
-    w_N = weights_TK.reshape(-1).to(torch.float32).index_select(0, route) if weights_TK is not None and T else None
+    grad_y = workspace.empty((N, D), dtype, grad_TD.device)
+    dot_N = None if y_ND is None else torch.empty(N, dtype=torch.float32, device=grad_TD.device)
+    w_N = weights_TK.reshape(-1).to(torch.float32).index_select(0, route) if weights_TK is not None else None
     step = max(1, _BWD_CHUNK_ELEMS // max(D, 1))
-    for n0 in range(0, N if T else 0, step):
+    for n0 in range(0, N, step):
         n1 = min(N, n0 + step)
         G = torch.index_select(src, 0, tok[n0:n1], out=grad_y[n0:n1])
         if any_pad:
@@ -271,8 +271,7 @@ def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Te
     grad_w = None
     if dot_N is not None:
         grad_w = torch.zeros(T * K, dtype=torch.float32, device=grad_TD.device)
-        if T:
-            grad_w.index_add_(0, route, dot_N.masked_fill_(~valid, 0) if any_pad else dot_N)
+        grad_w.index_add_(0, route, dot_N.masked_fill_(~valid, 0) if any_pad else dot_N)
         grad_w = grad_w.view(T, K)
     return grad_y, grad_w
 
