@@ -155,11 +155,14 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
     xd = x.detach()
     bags = torch.arange(T * K).view(T, K)   # token t's K rows, contiguous
 
+    def there_and_back():             # fl_send's rows out to the peers and back into fl_back
+        dist.all_to_all_single(fl_recv[:ro], fl_send[:so], recv_o, send_o, group=group)
+        dist.all_to_all_single(fl_back[:so], fl_recv[:ro], send_o, recv_o, group=group)
+
     def floor():
         for src in (xd, g):           # forward (x), then backward (the incoming gradient)
             fl_send.view(T, K, D).copy_(src[:, None, :].expand(T, K, D))
-            dist.all_to_all_single(fl_recv[:ro], fl_send[:so], recv_o, send_o, group=group)
-            dist.all_to_all_single(fl_back[:so], fl_recv[:ro], send_o, recv_o, group=group)
+            there_and_back()
             # The K-row sum as one embedding_bag over contiguous bags: the fastest reduce
             # measured here (torch.sum over the K axis of [T, K, D] took 2-4x as long).
             F.embedding_bag(bags, fl_back, mode="sum")
@@ -176,15 +179,13 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
         <g_t, y_tk> (one more read of the returned rows)."""
         disp._exchange_counts(zeros_E, D, x.dtype, None, None)
         fl_send.view(T, K, D).copy_(xd[:, None, :].expand(T, K, D))
-        dist.all_to_all_single(fl_recv[:ro], fl_send[:so], recv_o, send_o, group=group)
-        dist.all_to_all_single(fl_back[:so], fl_recv[:ro], send_o, recv_o, group=group)
+        there_and_back()
         F.embedding_bag(bags, fl_back, mode="sum", per_sample_weights=w_TK)
         y3 = fl_back.view(T, K, D)
         for t0 in range(0, T, step):
             torch.linalg.vecdot(y3[t0:t0 + step], g[t0:t0 + step, None, :], out=dw[t0:t0 + step])
         torch.mul(g[:, None, :], w3, out=fl_send.view(T, K, D))
-        dist.all_to_all_single(fl_recv[:ro], fl_send[:so], recv_o, send_o, group=group)
-        dist.all_to_all_single(fl_back[:so], fl_recv[:ro], send_o, recv_o, group=group)
+        there_and_back()
         F.embedding_bag(bags, fl_back, mode="sum")
 
     fns = {"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw,
