@@ -27,9 +27,8 @@ import traceback
 
 import torch
 
-from . import moe_ref
 from .multiproc import run_ranks
-from .test_moe_distributed import _ENV, _PATHS
+from .test_moe_distributed import _PATHS, _compare_dispatch_path
 
 LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (1, 2, 2), (2, 1, 1), (1, 1, 1)]
 
@@ -62,62 +61,27 @@ def draw(rng: random.Random) -> dict:
                 dtype=dtype, hidden=rng.choice([8, 24]))
 
 
-def run_case(case: dict) -> tuple:
-    """On every rank: (tokens here, max |dy|, max |dx|, max |d grad|, max |y_ref|, dropped, ref dropped)."""
-    from moepar.moe import dispatcher
-    from moepar.moe.layer import aux_loss
-    from moepar.parallel import allreduce_gradients, init_parallel
-    from moepar.parallel.comm import split_sizes
-    blocked_env, source_env, min_local, dedup_env = _PATHS[case["mode"]]
-    os.environ.update(MOEPAR_BLOCKED_A2A=blocked_env, MOEPAR_SOURCE_MAJOR=source_env, MOEPAR_DEDUP=dedup_env)
-    old = (dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL)
-    dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL = 0, min_local
-    try:
-        dt, D, sp = getattr(torch, case["dtype"]), case["hidden"], case["sp"]
-        state = init_parallel(*case["layout"], verbose=False)
-        kw = dict(case["layer"], dtype=dt, hidden=D)
-        moe = moe_ref.build(state, sequence_parallel=sp, **kw)
-        ref = moe_ref.build(None, **kw)
-        ntok = lambda d: [5, 0, 3, 7][d % 4] if case["uneven"] else 6   # noqa: E731
-        for d in range(state.dp_size):
-            xd, gd = moe_ref.replica_input(d, ntok(d), hidden=D, dtype=dt)
-            xd.requires_grad_()
-            yd = ref(xd)
-            ((yd * gd).sum() + aux_loss(ref)).backward()
-            if d == state.dp_rank:
-                x_ref, y_ref, g, ref_dropped = xd, yd.detach(), gd, int(ref.stats.dropped)
-        lo, hi = 0, x_ref.shape[0]
-        if sp:   # this TP rank's own slice of the replica's tokens
-            sizes = split_sizes(hi, state.tp_size)
-            lo = sum(sizes[:state.tp_rank])
-            hi = lo + sizes[state.tp_rank]
-        x = x_ref.detach()[lo:hi].clone().requires_grad_()
-        y = moe(x)
-        ((y * g[lo:hi]).sum() + aux_loss(moe)).backward()
-        allreduce_gradients(moe, state, op="sum")
-        diff = lambda a, b: float((a.detach() - b).abs().max()) if a.numel() else 0.0   # noqa: E731
-        grads = moe_ref.max_param_diff(moe, ref, state, use_grad=True)
-        dropped = int(moe.stats.dropped)
-        if sp:   # each TP rank routes its own slice: compare the TP group's total below
-            ref_dropped = None
-        return (hi - lo, diff(y, y_ref[lo:hi]), diff(x.grad, x_ref.grad[lo:hi]), max(grads.values(), default=0.0),
-                float(y_ref.abs().max()) if y_ref.numel() else 0.0, dropped, ref_dropped)
-    finally:
-        dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL = old
-        for k in _ENV:
-            os.environ.pop(k, None)
+def run_case(case: dict) -> list[dict]:
+    """On every rank: ``_compare``'s results for the case, the exchange forced into its form."""
+    tp, ep, etp = case["layout"]
+    out = _compare_dispatch_path(case["mode"], tp, ep, etp, [case["layer"]], case["uneven"], None, True,
+                                 getattr(torch, case["dtype"]), case["hidden"], case["sp"])
+    return out[-1]
 
 
 def check(case: dict, per_rank: list) -> None:
     """Raises AssertionError naming the rank and the figures where a tolerance is missed."""
-    for rank, (n, dy, dx, dg, scale, dropped, ref_dropped) in enumerate(per_rank):
+    for rank, (r,) in enumerate(per_rank):
+        dy, dx, dg, n = r["y"], r["dx"], max(r["grads"].values(), default=0.0), r["tokens"]
         if case["dtype"] == "bfloat16":
-            ok = dy <= 0.05 * max(1.0, scale) and dx <= 0.1 and dg <= 0.25
+            ok = dy <= 0.05 * max(1.0, r["y_scale"]) and dx <= 0.1 and dg <= 0.25
         else:
             tol = 2e-5 if case["dtype"] == "float32" else 1e-6
             ok = dy <= tol and dx <= tol and dg <= tol
         assert ok, f"rank {rank} ({n} tokens): max |dy| {dy:.3g}, |dx| {dx:.3g}, |d grad| {dg:.3g}"
-        assert ref_dropped is None or dropped == ref_dropped, f"rank {rank}: dropped {dropped} vs {ref_dropped}"
+        assert r["weights"] == 0.0, f"rank {rank}: the layers' weights differ"
+        assert r["ref_dropped"] is None or r["dropped"] == r["ref_dropped"], \
+            f"rank {rank}: dropped {r['dropped']} vs {r['ref_dropped']}"
 
 
 def sweep(seconds: float, seed: int, world: int, cases: int | None = None, out=sys.stdout) -> tuple[int, int]:

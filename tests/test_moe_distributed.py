@@ -18,18 +18,25 @@ def _tokens(dp_rank: int, uneven: bool) -> int:
     return [5, 0, 3, 7][dp_rank % 4] if uneven else 6
 
 
-def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=True):
-    """For each variant: distributed vs single-process outputs, dX, and all weight grads."""
+def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=True, dtype=None,
+             hidden=moe_ref.D, sp=False, tokens=None):
+    """For each variant: distributed vs single-process outputs, dX, and all weight grads.
+
+    ``tokens``: tokens per data-parallel replica (default ``_tokens``); ``sp``: sequence
+    parallelism, each TP rank holding its own slice of its replica's tokens (compared with
+    the same slice of the reference); ``dtype``/``hidden``: the layer's and the inputs'."""
     state = init_parallel(tp, ep, etp, verbose=False)
+    ntok = (lambda d: tokens[d]) if tokens is not None else (lambda d: _tokens(d, uneven))
+    dkw = {} if dtype is None else dict(dtype=dtype)
     results = []
     for variant in variants:
-        kw = dict(variant, **(layer_kw or {}))
-        moe = moe_ref.build(state, **kw)
+        kw = dict(variant, hidden=hidden, **dkw, **(layer_kw or {}))
+        moe = moe_ref.build(state, sequence_parallel=sp, **kw)
         ref = moe_ref.build(None, **kw)
         # Reference: every data-parallel replica's batch through the single-process layer,
         # grads accumulated (= the gradient of the sum of the replicas' losses).
         for d in range(state.dp_size):
-            xd, gd = moe_ref.replica_input(d, _tokens(d, uneven))
+            xd, gd = moe_ref.replica_input(d, ntok(d), hidden, **dkw)
             yd = ref(xd)
             (((yd * gd).sum() + (aux_loss(ref) if loss_with_aux else 0.0))).backward()
             if d == state.dp_rank:
@@ -37,17 +44,24 @@ def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=T
                 y_ref = ref(x_ref)
                 ref_dropped = int(ref.stats.dropped)   # this replica's (the loop goes on)
                 ((y_ref * gd).sum() + (aux_loss(ref) if loss_with_aux else 0.0)).backward(inputs=[x_ref])
-        x, g = moe_ref.replica_input(state.dp_rank, _tokens(state.dp_rank, uneven))
-        x.requires_grad_()
+        x, g = moe_ref.replica_input(state.dp_rank, ntok(state.dp_rank), hidden, **dkw)
+        lo, hi = comm_split(x.shape[0], state) if sp else (0, x.shape[0])
+        x, g = x[lo:hi].clone().requires_grad_(), g[lo:hi]
         y = moe(x)
+        # Under SP every TP rank's aux loss is the replica's (statistics summed over TP), its
+        # gradient flowing through the rank's own tokens: each rank adds it.
         ((y * g).sum() + (aux_loss(moe) if loss_with_aux else 0.0)).backward()
         allreduce_gradients(moe, state, op="sum")
         grads = moe_ref.max_param_diff(moe, ref, state, use_grad=True)
         weights = moe_ref.max_param_diff(moe, ref, state, use_grad=False)
-        results.append({"variant": variant, "y": float((y - y_ref).abs().max()) if y.numel() else 0.0,
-                         "dx": float((x.grad - x_ref.grad).abs().max()) if x.numel() else 0.0,
+        y_ref, gx_ref = y_ref.detach()[lo:hi], x_ref.grad[lo:hi]
+        results.append({"variant": variant, "tokens": hi - lo,
+                         "y": float((y.detach() - y_ref).abs().max()) if y.numel() else 0.0,
+                         "dx": float((x.grad - gx_ref).abs().max()) if x.numel() else 0.0,
+                         "y_scale": float(y_ref.abs().max()) if y_ref.numel() else 0.0,
                          "weights": max(weights.values()), "grads": grads,
-                         "dropped": int(moe.stats.dropped), "ref_dropped": ref_dropped})
+                         # with SP each TP rank routes (and drops from) its own slice
+                         "dropped": int(moe.stats.dropped), "ref_dropped": None if sp else ref_dropped})
     return results
 
 
@@ -431,38 +445,11 @@ def test_global_aux_loss_scope_equals_the_global_batch_loss(tp, ep, sp):
         assert aux_diff <= 1e-6 and grad_diff <= 1e-5, (aux_diff, grad_diff)
 
 
-def _sp_shared_uneven(tp, ep, tokens):
-    """Sequence parallelism with shared experts, each TP rank holding its own (uneven)
-    slice of its replica's tokens: outputs, input gradients and weight gradients against
-    the single-process layer on the whole replicas."""
-    state = init_parallel(tp, ep, verbose=False)
-    kw = dict(k=2, num_shared_experts=1)
-    moe = moe_ref.build(state, sequence_parallel=True, **kw)
-    ref = moe_ref.build(None, **kw)
-    for d in range(state.dp_size):
-        xd, gd = moe_ref.replica_input(d, tokens[d])
-        xd.requires_grad_()
-        yd = ref(xd)
-        ((yd * gd).sum() + aux_loss(ref)).backward()
-        if d == state.dp_rank:
-            x_ref, y_ref, g = xd, yd, gd
-    lo, hi = comm_split(x_ref.shape[0], state)
-    x = x_ref.detach()[lo:hi].clone().requires_grad_()
-    y = moe(x)
-    # Under SP every TP rank's aux loss is the replica's (statistics summed over TP), its
-    # gradient flowing through the rank's own tokens: each rank adds it.
-    ((y * g[lo:hi]).sum() + aux_loss(moe)).backward()
-    allreduce_gradients(moe, state, op="sum")
-    grads = moe_ref.max_param_diff(moe, ref, state, use_grad=True)
-    diff = lambda a, b: float((a - b).detach().abs().max()) if a.numel() else 0.0
-    return hi - lo, diff(y, y_ref[lo:hi]), diff(x.grad, x_ref.grad[lo:hi]), max(grads.values())
-
-
 def test_sequence_parallel_shared_experts_with_uneven_token_slices():
     # 5 and 1 tokens per replica over tp=2: slices of 3/2 and 1/0 tokens. The shared
     # experts' all-gather and reduce-scatter take each TP rank's own count (they assumed
     # equal slices and failed with a collective size mismatch).
-    out = run_ranks(_sp_shared_uneven, 4, 2, 2, [5, 1])
-    assert sorted(n for n, *_ in out) == [0, 1, 2, 3]
-    for n, dy, dx, dg in out:
-        assert dy <= 1e-5 and dx <= 1e-5 and dg <= 1e-5, (n, dy, dx, dg)
+    out = run_ranks(_compare, 4, 2, 2, 1, [dict(k=2, num_shared_experts=1)], False, None, True,
+                    None, moe_ref.D, True, [5, 1])
+    assert sorted(r[0]["tokens"] for r in out) == [0, 1, 2, 3]
+    _assert_close(out)
