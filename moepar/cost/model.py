@@ -38,6 +38,12 @@ def _positive(**values) -> None:
             raise ValueError(f"{name}={v!r} must be a positive integer")
 
 
+def _non_negative(**values) -> None:
+    for name, v in values.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise ValueError(f"{name}={v!r} must be an integer >= 0")
+
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -73,17 +79,14 @@ class MoESpec:
                   tokens=self.tokens, layers=self.layers,
                   heads=self.heads, kv_heads=self.kv_heads, micro_batches=self.micro_batches,
                   shared_ffn=self.shared_ffn, seq_len=self.seq_len)
-        if isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int) or self.min_capacity < 0:
-            # the layer's rule (TopKRouter): 0 means no minimum
-            raise ValueError(f"min_capacity={self.min_capacity!r} must be an integer >= 0")
+        # min_capacity 0 means no minimum (the layer's rule, TopKRouter)
+        _non_negative(min_capacity=self.min_capacity, shared_experts=self.shared_experts, vocab=self.vocab)
         if self.topk > self.experts:
             raise ValueError(f"topk={self.topk} must be <= experts={self.experts}")
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype={self.dtype!r} is not known; valid: {', '.join(DTYPE_BYTES)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
-        if self.shared_experts < 0 or self.vocab < 0:
-            raise ValueError(f"shared_experts={self.shared_experts} and vocab={self.vocab} must be >= 0")
         if not self.imbalance >= 1.0:
             raise ValueError(f"imbalance={self.imbalance} must be >= 1 (max/mean tokens per rank)")
         if self.dedup not in ("auto", "on", "off"):
