@@ -54,7 +54,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from moepar.bench.common import format_table, grad_step, keep_freed_memory
+from moepar.tables import format_table
+from moepar.bench.common import grad_step, keep_freed_memory
 from moepar.bench.layer import parse_config, skew_input_shift, zipf_input_shift
 from moepar.bench.local import _machine, random_routes
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status

@@ -29,7 +29,8 @@ from typing import Callable
 
 import torch
 
-from moepar.bench.common import (format_table, grad_step, keep_freed_memory, matmul_gflops, run_in_fresh_process,
+from moepar.tables import format_table
+from moepar.bench.common import (grad_step, keep_freed_memory, matmul_gflops, run_in_fresh_process,
                                  step_peak_bytes)
 from moepar.bench.local import (_DTYPES, _autograd_grouped_mm, _autograd_loop, _loadavg, _machine, _path_ok,
                                 _rounds, expert_flops)

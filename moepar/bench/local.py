@@ -26,7 +26,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from moepar.bench.common import format_table, matmul_gflops, median, sync
+from moepar.tables import format_table
+from moepar.bench.common import matmul_gflops, median, sync
 from moepar.moe.experts import GroupedExperts
 from moepar_kernels.permute import permute, unpermute
 

@@ -19,7 +19,8 @@ from typing import Callable
 
 import torch
 
-from moepar.bench.common import format_table, median, time_fn
+from moepar.tables import format_table
+from moepar.bench.common import median, time_fn
 from moepar_kernels import routing as rk
 
 TARGET_BW_FRACTION = 0.60

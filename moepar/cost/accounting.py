@@ -7,8 +7,8 @@ nccl-tests' size convention (all-gather: output, reduce-scatter: input, all-to-a
 buffer), as ``moepar.parallel.comm`` records them.
 
 Per MoE layer and micro-batch (what ``moepar.moe`` issues):
-  forward  [ep>1]  counts all-to-all: per peer L=E/ep int64 counts + 9 int64 metadata,
-                   ep·(L+9)·8 = (E + 9·ep)·8 bytes, EP group
+  forward  [ep>1]  counts all-to-all: per peer L=E/ep int64 counts + the metadata fields
+                   of moepar/moe/counts_message.py, ep·width(L)·8 bytes, EP group
            [ep>1]  dispatch all-to-all          R·D·b        EP  (dedup: R·f·D·b and a side
                    all-to-all R·f·2K·4, f = dedup_fraction; each way, backward too)
            [etp>1] all-gather counts + rows     etp·E·8, etp·R·D·b  ETP
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..moe import counts_message
 from .collectives import sent_bytes
 from .hardware import Hardware
 from .model import (CostLayout, Flops, Memory, MoESpec, Params, Routes, check_fits,
@@ -90,7 +91,8 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
             add("attention SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
             add("attention SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
         if ep > 1 and phase == "fwd":
-            add("MoE counts", "all_to_all", "ep", phase, (E + 9 * ep) * INT64, "ep·(E/ep+9)·8")
+            add("MoE counts", "all_to_all", "ep", phase, counts_message.message_bytes(E, ep),
+                f"ep·(E/ep+{len(counts_message.FIELDS)})·8")
         if ep > 1:
             add("MoE dispatch" if phase == "fwd" else "MoE combine grad", "all_to_all", "ep", phase,
                 rows, rows_formula)

@@ -159,7 +159,7 @@ def report_main(argv: list[str]) -> int:
 
 def _recommend(a: argparse.Namespace) -> int:
     from .compare import recommend
-    from ..bench.common import format_table
+    from ..tables import format_table
     hw = get_hardware(a.hardware)
     spec = spec_from_args(a)
     if a.routing_counts:
@@ -213,7 +213,7 @@ def recommend_main(argv: list[str]) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from ..bench.common import format_table
+    from ..tables import format_table
     from .calibrate import bus_bandwidth_table, calibrate, pinned_to_core, size_sweep
     created = not (dist.is_available() and dist.is_initialized())
     sizes = size_sweep(parse_size(a.min_size), parse_size(a.max_size), a.factor)

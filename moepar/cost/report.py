@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Iterable, Sequence
 
-from ..bench.common import format_table
+from ..tables import format_table
 from .accounting import StepCost, step_cost
 from .collectives import Placement
 from .compare import crossover_topk, ep_vs_tp, sweep

@@ -255,7 +255,7 @@ def run_validation(hardware: Hardware, sources: Sequence[Callable] | None = None
 
 def format_validation(res: ValidationResult, table: Callable[[list[dict]], str] | None = None) -> str:
     """The rows (predicted vs measured, relative error) and the summary lines."""
-    from ..bench.common import format_table
+    from ..tables import format_table
     from .units import fmt_bytes
     table = table or format_table
     rows = [{"source": r.source, "case": r.case + (f" {r.role}" if r.role else ""), "op": r.op,

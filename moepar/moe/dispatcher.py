@@ -56,15 +56,13 @@ from moepar_kernels import workspace
 from moepar_kernels.permute import _check_permute, permute, unpermute
 
 from ..parallel import comm
+from . import counts_message
 from .dedup import DEDUP_MAX_FRACTION, dedup_expand, dedup_rows, dedup_send, group_dedups
 
 # dtypes are exchanged as small integer codes in the counts message.
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
-# metadata appended to every counts row: hidden size, dtype code, error flag, capacity,
-# routes the sender dispatches in all, its dedup mode (0 off, 1 auto, 2 forced), its rows in
-# all with dedup, the forms it allows (bit 0 blocked, bit 1 source-major), its rows with
-# dedup for this recipient (the last column).
-_META = 9
+# metadata appended to every counts row: the fields of counts_message.FIELDS, in order.
+_META = len(counts_message.FIELDS)
 # Most local experts for the blocked all-to-all (each block is one all-to-all call).
 BLOCKED_MAX_LOCAL = 16
 # ... and only when the EP group's mean bytes per (rank, local expert) block reach this:
