@@ -157,33 +157,39 @@ def test_tree_all_reduce_latency_is_logarithmic_across_nodes():
         link_time("all_reduce", Placement(4, 4), 1, lat, lat, "nvls")
 
 
-@pytest.mark.parametrize("k, ratio", [(1, 0.5), (2, 1.0), (8, 4.0)])
-def test_ep_moves_k_over_2_of_tp_bytes_at_equal_degree(k, ratio):
-    c = ep_vs_tp(hw_of(), hidden=4096, tokens=8192, topk=k, group_size=8)
-    assert c.ep_sent / c.tp_sent == pytest.approx(ratio)
-    assert c.ep_bytes == 8192 * k * 4096 * 2 and c.tp_bytes == 8192 * 4096 * 2
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_ep_moves_k_over_2n_of_tp_bytes_at_equal_global_batch(k):
+    # 8 GPUs with 1024 tokens each: EP sends each rank's t·K rows, TP all-reduces the
+    # group's 8·t tokens (replicated on its ranks); the old table compared T·K·D against
+    # T·D, i.e. TP with 8x fewer tokens, and printed "EP/TP = K/2"
+    c = ep_vs_tp(hw_of(), hidden=4096, tokens=1024, topk=k, group_size=8)
+    assert c.ep_sent / c.tp_sent == pytest.approx(k / 16)
+    assert c.ep_bytes == 1024 * k * 4096 * 2 and c.tp_bytes == 8 * 1024 * 4096 * 2
     # with no latency on one link, time follows bytes
-    assert c.ep_time / c.tp_time == pytest.approx(ratio)
+    assert c.ep_time / c.tp_time == pytest.approx(k / 16)
 
 
-def test_crossover_topk_is_2_on_a_pure_bandwidth_link_and_shifts_with_latency():
-    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8) == pytest.approx(2.0, rel=1e-6)
-    # all-to-all has half the ring all-reduce's steps: with latency EP wins up to a larger K
-    lat = Link("lat", 100 * GB, 20e-6)
-    assert crossover_topk(hw_of(lat, lat), hidden=256, tokens=64, group_size=8) > 2.0
+def test_crossover_topk_is_2n_on_a_pure_bandwidth_link_and_capped_at_E():
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8) == pytest.approx(16.0, rel=1e-6)
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=2) == pytest.approx(4.0, rel=1e-6)
+    # 8 experts: a token cannot pick more than 8, and EP is faster up to 16: no crossover
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8, experts=8) == math.inf
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8, experts=64) == \
+        pytest.approx(16.0, rel=1e-6)
 
 
 def test_sweep_locates_the_token_crossover():
     lat = Link("lat", 100 * GB, 20e-6)
     rows, notes = sweep(hw_of(lat, lat), "tokens", [2 ** i for i in range(4, 20)], hidden=1024,
-                        tokens=1, topk=4, group_size=8)
-    # K=4 moves twice TP's bytes but with half the latency: EP wins small T, TP large T.
+                        tokens=1, topk=32, group_size=8)
+    # K=32 > 2n moves more bytes than TP, but with one latency per all-to-all against the
+    # ring's 14: EP wins small t, TP large t.
     assert rows[0].winner == "EP" and rows[-1].winner == "TP"
     assert len(notes) == 1 and "tokens crossover" in notes[0]
     t_star = float(notes[0].split("at ")[1].split(":")[0])
-    # hand, a = 20 us, b = 2 bytes, D = 1024: EP 7a + 7/8·4·T·D·b/B = TP 14a + 14/8·T·D·b/B
-    #   => 1.75·T·D·b/B = 7a  =>  T* = 4a·B/(D·b) = 4 x 20e-6 x 100e9 / 2048 = 3906.25 tokens
-    assert t_star == pytest.approx(3906.25, rel=1e-3)
+    # hand, a = 20 us, b = 2, D = 1024, n = 8, per step (x4): EP a + 7/8·32·t·D·b/B,
+    # TP (ring) 14a + 14/8·8t·D·b/B  =>  13a = 14·t·D·b/B  =>  t* = 13a·B/(14·D·b) = 906.7
+    assert t_star == pytest.approx(13 * 20e-6 * 100e9 / (14 * 2048), rel=1e-3)
 
 
 def test_isotonic_and_curve_interpolation():
