@@ -126,7 +126,7 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
     tag = "" if f is None else f"·{f:.3g}"
 
     def rows_of(nb):   # the dispatched rows at nb bytes per element, and their formula
-        return R * g * D * nb, f"R{tag}·D·{nb}" + (" (dedup)" if f is not None else "")
+        return R * g * D * nb, f"R{tag}·D·{'b' if nb == b else nb}" + (" (dedup)" if f is not None else "")
     rows_in, in_formula = rows_of(w.dispatch)      # expert inputs: dispatch, combine-grad
     rows_out, out_formula = rows_of(w.combine)     # expert outputs: combine, dispatch-grad
     for phase in ("fwd", "bwd"):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .accounting import StepCost, step_cost
+from .accounting import DEFAULT_COMPUTE_EFFICIENCY, StepCost, step_cost
 from .collectives import Link, Placement, sent_bytes
 from .hardware import Hardware
 from .model import CostLayout, MoESpec, divisors
@@ -161,27 +161,47 @@ def candidate_layouts(spec: MoESpec, gpus: int, gpus_per_node: int, zero_stages=
     return out
 
 
+# A million-token global batch (256 sequences of 4096): smaller than published MoE
+# pre-training batches (DeepSeek-V3: 3,072-15,360 sequences of 4K), large enough that the
+# per-step gradient reduction does not dwarf the per-layer collectives as a batch of one
+# micro-batch per GPU would.
+DEFAULT_GLOBAL_TOKENS = 2 ** 20
+
+
+def _rank_time(t: float) -> float:
+    """Step times equal to 3 significant digits (what the table prints) rank as equal, so
+    that the layout with less memory comes first (e.g. ZeRO 1/2 against ZeRO 0, which move
+    about the same bytes)."""
+    return float(f"{t:.3g}")
+
+
 def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None = None,
               memory_bytes: float | None = None, global_tokens: int | None = None,
-              compute_efficiency: float = 1.0, zero_stages=(0, 1, 2, 3),
-              cross_node_tp: bool = False) -> list[Candidate]:
-    """Every layout of ``gpus`` ranked by predicted step time (communication + compute),
-    those that fit in ``memory_bytes`` first. The global batch is fixed at ``global_tokens``
-    (default ``spec.tokens x spec.micro_batches x gpus``): a layout with dp replicas runs
+              compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY, zero_stages=(0, 1, 2, 3),
+              cross_node_tp: bool = False, a2a_algo: str = "pairwise", ar_algo: str = "auto") -> list[Candidate]:
+    """Every layout of ``gpus`` ranked by predicted step time with ideal overlap (both
+    bounds are on each candidate's ``cost``), those that fit in ``memory_bytes`` first. The
+    global batch is fixed at ``global_tokens`` (default ``DEFAULT_GLOBAL_TOKENS`` or
+    ``spec.tokens x spec.micro_batches x gpus`` if larger): a layout with dp replicas runs
     global / (tokens x dp) micro-batches of ``spec.tokens`` tokens."""
+    for name, v in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("global_tokens", global_tokens)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if memory_bytes is not None and not (0 < memory_bytes < math.inf):
+        raise ValueError(f"memory_bytes={memory_bytes} must be a finite number > 0")
     gpn = gpus_per_node or hw.gpus_per_node
     mem = memory_bytes or hw.memory_bytes
-    hw = hw.replace(memory_bytes=mem, gpus_per_node=gpn)
-    total = global_tokens or spec.tokens * spec.micro_batches * gpus
+    hw = (hw if gpn == hw.gpus_per_node else hw.with_gpus_per_node(gpn)).replace(memory_bytes=mem)
+    total = global_tokens or max(DEFAULT_GLOBAL_TOKENS, spec.tokens * spec.micro_batches * gpus)
     out = []
     for layout in candidate_layouts(spec, gpus, gpn, zero_stages, cross_node_tp):
         per_replica = total / layout.dp
         t = min(spec.tokens, max(layout.tp, int(per_replica) // layout.tp * layout.tp))
         s = spec.replace(tokens=t, micro_batches=max(1, math.ceil(per_replica / t)))
-        cost = step_cost(s, layout, hw, compute_efficiency)
+        cost = step_cost(s, layout, hw, compute_efficiency, a2a_algo, ar_algo)
         out.append(Candidate(cost, cost.fits))
-    # Fitting layouts by step time (ties, e.g. ZeRO 0/1/2 moving the same bytes: less memory
-    # first), then the rest by memory.
-    out.sort(key=lambda c: (not c.fits, round(c.cost.step_time, 12) if c.fits else c.cost.memory.total,
-                            c.cost.memory.total))
+    # Fitting layouts by overlapped step time (equal times: less memory first), then the
+    # rest by memory.
+    out.sort(key=lambda c: (not c.fits, _rank_time(c.cost.step_time_overlapped) if c.fits else c.cost.memory.total,
+                            c.cost.memory.total, _rank_time(c.cost.step_time)))
     return out
