@@ -177,7 +177,7 @@ def _report(a: argparse.Namespace) -> int:
     for w in layout.warnings():
         print(f"warning: {w}", file=sys.stderr)
     cost = step_cost(spec, layout, hw, a.compute_efficiency, a.a2a, a.allreduce)
-    rep = build_report(cost, _int_list(a.compare_sizes) if a.compare_sizes else None)
+    rep = build_report(cost, _int_list(a.compare_sizes) if a.compare_sizes else None, a.allreduce)
     print(render_text(rep))
     for path, text in ((a.markdown, render_markdown), (a.json, to_json)):
         if path:

@@ -36,8 +36,9 @@ def _group_sizes(gpus: int) -> list[int]:
     return out or [1]
 
 
-def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None) -> dict:
-    """Everything the renderers print, as JSON-able data (seconds, bytes, counts)."""
+def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_algo: str = "auto") -> dict:
+    """Everything the renderers print, as JSON-able data (seconds, bytes, counts);
+    ``ar_algo`` is the all-reduce algorithm of the EP-vs-TP table (as ``--allreduce``)."""
     s, lay, hw, p, f, m, r = (cost.spec, cost.layout, cost.hardware, cost.params, cost.flops,
                               cost.memory, cost.routes)
     L, mb = s.layers, s.micro_batches
@@ -50,10 +51,8 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None) -> 
 
     sizes = list(compare_sizes or _group_sizes(lay.gpus))
     a2a = [c.algo for c in cost.layer if c.op == "all_to_all"]
-    # the requested all-reduce algorithm is not kept on the Calls (they hold the resolved
-    # one), so the table lets each size pick as NCCL would
     kw = dict(gpus_per_node=lay.gpus_per_node, dtype_bytes=s.b, a2a_algo=a2a[0] if a2a else "pairwise",
-              ar_algo="auto")
+              ar_algo=ar_algo)
     t_gpu = s.tokens // lay.tp          # the layer table's T/tp tokens per GPU: rows (T/tp)·K
     comparison = []
     for n in sizes:
