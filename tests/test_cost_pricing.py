@@ -129,3 +129,16 @@ def test_recommend_refuses_bad_values():
         recommend(mixtral(), 16, H100, global_tokens=0)
     with pytest.raises(ValueError, match="memory_bytes=0 must be"):
         recommend(mixtral(), 16, H100, memory_bytes=0)
+
+
+def test_compute_efficiency_defaults_to_published_mfu_on_presets_and_1_on_measured_profiles():
+    from moepar.cost.collectives import Curve, Link
+    from moepar.cost.hardware import Hardware
+    spec, lay = MoESpec(hidden=64, ffn=128, experts=4, topk=2, tokens=64), CostLayout(4, 4, ep=4)
+    assert step_cost(spec, lay, H100).compute_efficiency == 0.45
+    link = Link("gloo measured", 1e9, 50e-6)
+    curve = Curve("all_to_all", 4, (1024, 4096), (1e-4, 2e-4), 5e-5, 1e-8)
+    measured = Hardware("gloo", "measured", link, link, 4, 1e10, 8e9, curves={("all_to_all", 4): curve})
+    assert step_cost(spec, lay, measured).compute_efficiency == 1.0        # its rate is a measured matmul rate
+    with pytest.raises(ValueError, match="compute_efficiency=nan must be in"):
+        step_cost(spec, lay, H100, float("nan"))

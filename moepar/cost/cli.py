@@ -99,9 +99,10 @@ def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
                    help=f"preset ({', '.join(sorted(PRESETS))}) or a calibrated JSON profile (default {default})")
     g.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
     g.add_argument("--nics-per-node", type=int, help="default: the hardware's NICs per GPU x --gpus-per-node")
-    g.add_argument("--compute-efficiency", type=float, default=DEFAULT_COMPUTE_EFFICIENCY,
-                   help=f"fraction of the peak FLOP rate reached (default {DEFAULT_COMPUTE_EFFICIENCY}: "
-                        f"published MFU of Megatron-Core on H100 is up to 47%%)")
+    g.add_argument("--compute-efficiency", type=float,
+                   help=f"fraction of the peak FLOP rate reached (default {DEFAULT_COMPUTE_EFFICIENCY} on a preset: "
+                        f"published MFU of Megatron-Core on H100 is up to 47%%; 1.0 on a calibrated profile, "
+                        f"whose rate is measured)")
     g.add_argument("--a2a", choices=ALGOS["all_to_all"], default="pairwise", help="all-to-all algorithm")
     g.add_argument("--allreduce", choices=ALGOS["all_reduce"], default="auto",
                    help="all-reduce algorithm (default auto: the fastest of ring, tree, NVLS at each size, as NCCL)")
@@ -258,7 +259,7 @@ def _recommend(a: argparse.Namespace) -> int:
     total = fit[0].cost.tokens_per_step if fit else cands[0].cost.tokens_per_step
     print(f"{len(cands)} layouts of {a.gpus} GPUs on {hw.name}; {len(fit)} fit in {mem_text} per GPU; "
           f"about {total} tokens per step; ranked by predicted step time with ideal overlap (step; "
-          f"'no overlap' is the upper bound), compute at {a.compute_efficiency:.0%} of peak:")
+          f"'no overlap' is the upper bound), compute at {cands[0].cost.compute_efficiency:.0%} of peak:")
     if not fit:
         print("NONE FITS: the smallest by memory are listed; add GPUs, raise --zero or lower --tokens")
     print(format_table(rows))

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from .accounting import DEFAULT_COMPUTE_EFFICIENCY, StepCost, step_cost
+from .accounting import StepCost, step_cost
 from .collectives import Link, Placement, sent_bytes
 from .hardware import Hardware
 from .model import CostLayout, MoESpec, divisors
@@ -177,7 +177,7 @@ def _rank_time(t: float) -> float:
 
 def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None = None,
               memory_bytes: float | None = None, global_tokens: int | None = None,
-              compute_efficiency: float = DEFAULT_COMPUTE_EFFICIENCY, zero_stages=(0, 1, 2, 3),
+              compute_efficiency: float | None = None, zero_stages=(0, 1, 2, 3),
               cross_node_tp: bool = False, a2a_algo: str = "pairwise", ar_algo: str = "auto") -> list[Candidate]:
     """Every layout of ``gpus`` ranked by predicted step time with ideal overlap (both
     bounds are on each candidate's ``cost``), those that fit in ``memory_bytes`` first. The
