@@ -104,3 +104,80 @@ def test_markdown_of_a_tiny_model_one_gpu():
     rep = build_report(step_cost(spec, CostLayout(1, 8), get_hardware("a100")))
     assert rep["layer_collectives"] == [] and rep["time"]["comm_per_step"] == 0
     assert "## Summary" in render_markdown(rep)
+
+
+MIXTRAL16 = ["--model", "mixtral-8x7b", "--tokens", "4096", "--gpus", "16"]
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["report", *MIXTRAL16, "--ep", "8", "--imbalance", "inf"], "--imbalance inf must be a finite number >= 1"),
+    (["report", *MIXTRAL16, "--ep", "8", "--routing-counts", "no/such/counts.txt"],
+     "--routing-counts 'no/such/counts.txt' is neither"),
+    (["report", *MIXTRAL16, "--ep", "8", "--routing-counts", "1,2,3,4"],
+     "--routing-counts has 4 counts; the model has experts=8"),
+    (["report", *MIXTRAL16, "--ep", "8", "--json", "no/such/folder/r.json"], "--json 'no/such/folder/r.json': folder"),
+    (["report", *MIXTRAL16, "--ep", "8", "--gpus-per-node", "0"], "--gpus-per-node=0 must be >= 1"),
+    (["recommend", *MIXTRAL16, "--memory-gib", "0"], "--memory-gib 0.0 must be a finite number > 0"),
+    (["recommend", *MIXTRAL16, "--global-tokens", "0"], "--global-tokens 0 must be >= 1"),
+    (["recommend", *MIXTRAL16, "--top", "-1"], "--top -1 must be >= 1"),
+    (["recommend", *MIXTRAL16, "--zero", "0,5"], "--zero '0,5': stages must be among 0, 1, 2, 3"),
+    (["recommend", *MIXTRAL16, "--json", "no/such/folder/r.json"], "--json 'no/such/folder/r.json': folder"),
+    (["price", "all_reduce", "--size", "lots"], "size 'lots' is not a byte count"),
+    (["price", "all_reduce", "--gpus", "12", "--gpus-per-node", "8"], "--gpus 12 is not a whole number of nodes"),
+    (["price", "all_reduce", "--gpus", "16", "--algo", "nvls"], "algo='nvls' needs one node"),
+])
+def test_every_bad_value_exits_2_with_one_line(capsys, args, needle):
+    assert main(args) == 2
+    cap = capsys.readouterr()
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], cap.err
+    assert "Traceback" not in cap.err
+
+
+def test_price_prints_nccl_tests_figures_and_json(capsys, tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["price", "all_reduce", "--size", "1GiB", "--gpus", "16", "--gpus-per-node", "8",
+                 "--hardware", "h100", "--json", str(out)]) == 0
+    assert "busbw (GB/s)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["time_s"] > 0 and data["nodes"] == 2 and data["size_bytes"] == 2 ** 30
+    assert data["algbw_GBps"] == pytest.approx(2 ** 30 / data["time_s"] / 1e9)
+    assert data["busbw_GBps"] == pytest.approx(data["algbw_GBps"] * 2 * 15 / 16)
+    # published: 8 x 46-48 GB/s per NIC on two DGX H100 nodes (nccl-tests #290)
+    assert data["busbw_GBps"] == pytest.approx(376, rel=0.2)
+    for op in ("all_gather", "reduce_scatter", "all_to_all"):
+        assert main(["price", op, "--size", "64M", "--gpus", "8", "--json", str(out)]) == 0
+        d = json.loads(out.read_text())
+        assert d["busbw_GBps"] == pytest.approx(d["algbw_GBps"] * 7 / 8)
+    assert main(["price", "all_reduce", "--gpus", "8", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["busbw_GBps"] == pytest.approx(476, rel=0.2)   # nccl-tests #290
+
+
+def test_recommend_json_writes_numbers(tmp_path, capsys):
+    out = tmp_path / "rec.json"
+    assert main(["recommend", *MIXTRAL16, "--top", "3", "--zero", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "ideal overlap" in text and "no overlap" in text and "MFU" in text
+    rows = json.loads(out.read_text())
+    assert len(rows) == 3
+    for r in rows:
+        for key in ("tp", "ep", "etp", "dp", "zero", "micro_batches"):
+            assert isinstance(r[key], int)
+        for key in ("step_s", "step_no_overlap_s", "memory_gib", "mfu"):
+            assert isinstance(r[key], float)
+        assert r["step_s"] <= r["step_no_overlap_s"]
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+
+
+def test_report_prints_both_bounds_and_the_capped_crossover(capsys, tmp_path):
+    js = tmp_path / "r.json"
+    assert main(["report", *MIXTRAL16, "--tp", "2", "--ep", "8", "--json", str(js)]) == 0
+    out = capsys.readouterr().out
+    assert "ideal overlap" in out and "MFU" in out and "tokens/s per GPU" in out
+    assert "any K <= 8" in out and "1.5e+03" not in out
+    data = json.loads(js.read_text())
+    assert data["time"]["step_overlapped"] < data["time"]["step"]
+    assert data["time"]["compute_efficiency"] == 0.45
+    row8 = [r for r in data["ep_vs_tp"]["rows"] if r["group_size"] == 8][0]
+    assert row8["ep_faster_for_every_topk"] and row8["k_star"] is None
+    assert row8["tp_bytes"] == 8 * row8["ep_bytes"] / 2        # n·t·D·b against t·K·D·b, K = 2

@@ -55,10 +55,65 @@ def test_latency_terms_count_algorithm_steps():
     assert link_time("all_reduce", Placement(1, 1), 64 * MiB, lat, lat) == 0.0
 
 
-def test_ring_across_nodes_runs_at_the_slowest_link():
-    # 2 nodes x 8: 2 x 15/16 x 64 MiB at 25 GB/s = 5.0331648 ms
-    t = link_time("all_reduce", Placement(16, 8), 64 * MiB, FAST, SLOW)
-    assert t == pytest.approx(2 * 15 / 16 * 64 * MiB / (25 * GB))
+def test_ring_across_nodes_runs_on_every_nic_of_the_node():
+    # 2 nodes x 8 with one 25 GB/s NIC per GPU: the node's 8 NICs carry 200 GB/s, so the
+    # 100 GB/s NVLink hops bound the ring: 2 x 15/16 x 64 MiB at 100 GB/s (the old model
+    # priced it through one NIC, at 25 GB/s: 4x slower).
+    S = 64 * MiB
+    assert link_time("all_reduce", Placement(16, 8), S, FAST, SLOW, "ring") == \
+        pytest.approx(2 * 15 / 16 * S / (100 * GB))
+    # 2 NICs per 8-GPU node (nic_share 1/4): the node sends 50 GB/s, the ring runs at that
+    assert link_time("all_reduce", Placement(16, 8), S, FAST, SLOW, "ring", nic_share=0.25) == \
+        pytest.approx(2 * 15 / 16 * S / (50 * GB))
+    # one rank per node (a dp group across tp=8 nodes): each GPU has its own NIC only
+    assert link_time("all_reduce", Placement(4, 1), S, FAST, SLOW, "ring") == \
+        pytest.approx(2 * 3 / 4 * S / (25 * GB))
+    # all-gather across nodes: the same rate, (n-1)/n of S
+    assert link_time("all_gather", Placement(16, 8), S, FAST, SLOW) == pytest.approx(15 / 16 * S / (100 * GB))
+
+
+def test_efficiency_scales_the_line_rate():
+    half = Link("half", 100 * GB, 0.0, efficiency=0.5)
+    assert link_time("all_gather", Placement(8, 8), 64 * MiB, half, SLOW) == \
+        pytest.approx(7 / 8 * 64 * MiB / (50 * GB))
+    with pytest.raises(ValueError, match="efficiency=1.5 must be in"):
+        Link("bad", 1e9, 0.0, efficiency=1.5)
+
+
+def test_ring_latency_counts_intra_and_inter_node_steps_apart():
+    nv, net = Link("nv", 100 * GB, 3e-6), Link("net", 100 * GB, 10e-6)
+    # 4 nodes x 8: all-reduce 2(n-1) = 62 steps, 2(g-1) = 6 of them on the network
+    assert link_time("all_reduce", Placement(32, 8), 0, nv, net, "ring") == pytest.approx(56 * 3e-6 + 6 * 10e-6)
+    # all-gather: n-1 = 31 steps, g-1 = 3 of them on the network
+    assert link_time("all_gather", Placement(32, 8), 0, nv, net) == pytest.approx(28 * 3e-6 + 3 * 10e-6)
+
+
+def test_small_all_reduce_over_many_nodes_takes_the_tree():
+    # 8 KiB over 256 H100 (32 nodes): the old ring-only model, every step at network latency,
+    # printed 7.1 ms; NCCL's tuner takes the tree at this size: 2[7 x 3.4 + 5 x 14] + 8.4 us
+    h100 = get_hardware("h100")
+    pl = Placement(256, 8)
+    t = h100.collective_time("all_reduce", pl, 8 * 1024)
+    assert h100.resolve_algo("all_reduce", pl, 8 * 1024) == "tree"
+    assert t == pytest.approx(8.4e-6 + 2 * (7 * 3.4e-6 + 5 * 14e-6) + 2 * 8192 / (370e9), rel=1e-6)
+    assert t < 0.3e-3
+    # at 1 GiB on 2 nodes the ring's 2(n-1)/n = 1.875 beats the tree's 2; on one node, NVLS
+    assert h100.resolve_algo("all_reduce", Placement(16, 8), 2 ** 30) == "ring"
+    assert h100.resolve_algo("all_reduce", Placement(8, 8), 2 ** 30) == "nvls"
+
+
+def test_all_to_all_serves_peers_in_parallel():
+    # the counts exchange at ep=64 (8 nodes), 6.5 KiB: one latency, not (n-m) of them
+    # (the old model: 56 x 14 us + 8.4 us = 793 us)
+    h100 = get_hardware("h100")
+    S = 6.5 * 1024
+    t = h100.collective_time("all_to_all", Placement(64, 8), S)
+    b_x = 50e9 * 47 / 50
+    assert t == pytest.approx(8.4e-6 + 14e-6 + 56 / 64 * S / b_x)
+    assert t < 30e-6
+    lat = Link("lat", 100 * GB, 5e-6)
+    assert link_time("all_to_all", Placement(64, 64), 0, lat, lat) == pytest.approx(5e-6)
+    assert link_time("all_to_all", Placement(8, 8), 0, lat, lat) == pytest.approx(5e-6)
 
 
 def test_pairwise_all_to_all_uses_both_links_at_once():
@@ -79,52 +134,62 @@ def test_hierarchical_all_to_all_two_levels():
         pytest.approx(link_time("all_to_all", one, S, FAST, SLOW))
 
 
-def test_hierarchical_all_to_all_wins_on_small_messages_across_many_nodes():
+def test_hierarchical_all_to_all_sends_the_same_inter_node_bytes_in_g_messages():
     lat_i, lat_x = Link("i", 450 * GB, 3.4e-6), Link("x", 50 * GB, 14e-6)
     pl = Placement(64, 8)
-    flat = link_time("all_to_all", pl, 64 * 1024, lat_i, lat_x)
-    two = link_time("all_to_all", pl, 64 * 1024, lat_i, lat_x, "hierarchical")
-    # flat: 56 inter-node messages; 2DH: 7 intra + 7 inter
-    assert two < flat / 3
+    S = 64 * MiB
+    two = link_time("all_to_all", pl, S, lat_i, lat_x, "hierarchical")
+    assert two == pytest.approx(3.4e-6 + 7 / 8 * S / (450 * GB) + 14e-6 + 7 / 8 * S / (50 * GB))
+    # the flat one overlaps its NVLink share with the network: never slower here
+    assert link_time("all_to_all", pl, S, lat_i, lat_x) < two
 
 
 def test_tree_all_reduce_latency_is_logarithmic_across_nodes():
     lat = Link("x", 100 * GB, 10e-6)
-    ring = link_time("all_reduce", Placement(64, 1), 0, lat, lat)
+    ring = link_time("all_reduce", Placement(64, 1), 0, lat, lat, "ring")
     tree = link_time("all_reduce", Placement(64, 1), 0, lat, lat, "tree")
+    assert link_time("all_reduce", Placement(64, 1), 0, lat, lat) == tree     # auto: the faster
     assert ring == pytest.approx(2 * 63 * 10e-6)
     assert tree == pytest.approx(2 * 6 * 10e-6)            # ceil(log2 64) = 6
-    with pytest.raises(ValueError, match="valid: ring, tree"):
+    with pytest.raises(ValueError, match="valid: auto, ring, tree, nvls"):
         link_time("all_reduce", Placement(4, 4), 1, lat, lat, "pairwise")
+    with pytest.raises(ValueError, match="algo='nvls' needs one node"):
+        link_time("all_reduce", Placement(4, 4), 1, lat, lat, "nvls")
 
 
-@pytest.mark.parametrize("k, ratio", [(1, 0.5), (2, 1.0), (8, 4.0)])
-def test_ep_moves_k_over_2_of_tp_bytes_at_equal_degree(k, ratio):
-    c = ep_vs_tp(hw_of(), hidden=4096, tokens=8192, topk=k, group_size=8)
-    assert c.ep_sent / c.tp_sent == pytest.approx(ratio)
-    assert c.ep_bytes == 8192 * k * 4096 * 2 and c.tp_bytes == 8192 * 4096 * 2
+@pytest.mark.parametrize("k", [1, 2, 8])
+def test_ep_moves_k_over_2n_of_tp_bytes_at_equal_global_batch(k):
+    # 8 GPUs with 1024 tokens each: EP sends each rank's t·K rows, TP all-reduces the
+    # group's 8·t tokens (replicated on its ranks); the old table compared T·K·D against
+    # T·D, i.e. TP with 8x fewer tokens, and printed "EP/TP = K/2"
+    c = ep_vs_tp(hw_of(), hidden=4096, tokens=1024, topk=k, group_size=8)
+    assert c.ep_sent / c.tp_sent == pytest.approx(k / 16)
+    assert c.ep_bytes == 1024 * k * 4096 * 2 and c.tp_bytes == 8 * 1024 * 4096 * 2
     # with no latency on one link, time follows bytes
-    assert c.ep_time / c.tp_time == pytest.approx(ratio)
+    assert c.ep_time / c.tp_time == pytest.approx(k / 16)
 
 
-def test_crossover_topk_is_2_on_a_pure_bandwidth_link_and_shifts_with_latency():
-    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8) == pytest.approx(2.0, rel=1e-6)
-    # all-to-all has half the ring all-reduce's steps: with latency EP wins up to a larger K
-    lat = Link("lat", 100 * GB, 20e-6)
-    assert crossover_topk(hw_of(lat, lat), hidden=256, tokens=64, group_size=8) > 2.0
+def test_crossover_topk_is_2n_on_a_pure_bandwidth_link_and_capped_at_E():
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8) == pytest.approx(16.0, rel=1e-6)
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=2) == pytest.approx(4.0, rel=1e-6)
+    # 8 experts: a token cannot pick more than 8, and EP is faster up to 16: no crossover
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8, experts=8) == math.inf
+    assert crossover_topk(hw_of(), hidden=1024, tokens=1024, group_size=8, experts=64) == \
+        pytest.approx(16.0, rel=1e-6)
 
 
 def test_sweep_locates_the_token_crossover():
     lat = Link("lat", 100 * GB, 20e-6)
     rows, notes = sweep(hw_of(lat, lat), "tokens", [2 ** i for i in range(4, 20)], hidden=1024,
-                        tokens=1, topk=4, group_size=8)
-    # K=4 moves twice TP's bytes but with half the latency: EP wins small T, TP large T.
+                        tokens=1, topk=32, group_size=8)
+    # K=32 > 2n moves more bytes than TP, but with one latency per all-to-all against the
+    # ring's 14: EP wins small t, TP large t.
     assert rows[0].winner == "EP" and rows[-1].winner == "TP"
     assert len(notes) == 1 and "tokens crossover" in notes[0]
     t_star = float(notes[0].split("at ")[1].split(":")[0])
-    # hand, a = 20 us, b = 2 bytes, D = 1024: EP 7a + 7/8·4·T·D·b/B = TP 14a + 14/8·T·D·b/B
-    #   => 1.75·T·D·b/B = 7a  =>  T* = 4a·B/(D·b) = 4 x 20e-6 x 100e9 / 2048 = 3906.25 tokens
-    assert t_star == pytest.approx(3906.25, rel=1e-3)
+    # hand, a = 20 us, b = 2, D = 1024, n = 8, per step (x4): EP a + 7/8·32·t·D·b/B,
+    # TP (ring) 14a + 14/8·8t·D·b/B  =>  13a = 14·t·D·b/B  =>  t* = 13a·B/(14·D·b) = 906.7
+    assert t_star == pytest.approx(13 * 20e-6 * 100e9 / (14 * 2048), rel=1e-3)
 
 
 def test_isotonic_and_curve_interpolation():
@@ -157,14 +222,34 @@ def test_placement_of_layout_ranks():
 def test_presets_and_unknown_hardware_message():
     h100 = get_hardware("H100")
     assert h100.intra.bandwidth == 450 * GB and h100.inter.bandwidth == 50 * GB
-    assert h100.flops == pytest.approx(989.5e12) and h100.gpus_per_node == 8
+    assert h100.intra.achievable == pytest.approx(370 * GB) and h100.inter.achievable == pytest.approx(47 * GB)
+    assert h100.flops == pytest.approx(989.5e12) and h100.gpus_per_node == 8 and h100.nics == 8
+    assert h100.memory_bytes / 2 ** 30 == pytest.approx(79.6, abs=0.05)          # 81,559 MiB
     assert get_hardware("a100").intra.bandwidth == 300 * GB
-    assert get_hardware("h200").memory_bytes == 141 * GB
+    assert get_hardware("h200").memory_bytes / 2 ** 30 == pytest.approx(140.4, abs=0.05)
+    assert get_hardware("h800").intra.achievable == pytest.approx(160 * GB)      # DeepSeek-V3's figure
+    nvl72 = get_hardware("gb200-nvl72")
+    assert nvl72.gpus_per_node == 72 and nvl72.nics == 72 and nvl72.intra.bandwidth == 900 * GB
+    assert get_hardware("b200").flops == pytest.approx(2250e12)
+    for hw in PRESETS.values():
+        assert hw.sources and hw.intra.source and hw.inter.source and hw.memory_bandwidth > 0
     with pytest.raises(ValueError) as e:
         get_hardware("tpu-v5")
     for name in PRESETS:
         assert name in str(e.value)
     assert "calibrate" in str(e.value)
+    # another node size keeps the NICs per GPU
+    assert h100.with_gpus_per_node(4).nics == 4 and h100.with_gpus_per_node(4, 8).nic_share == 2
+
+
+@pytest.mark.parametrize("gpus, published_busbw", [
+    (8, 476e9),    # NVIDIA, nccl-tests #290: 476 GB/s on one H100 node "in the expected range"
+    (16, 376e9),   # 2 nodes x 8 NICs: 8 x 46-48 GB/s per 400G NIC (nccl-tests #290)
+])
+def test_1GiB_all_reduce_on_h100_within_20_percent_of_nccl_tests(gpus, published_busbw):
+    h100 = get_hardware("h100")
+    t = h100.collective_time("all_reduce", Placement(gpus, 8), 2 ** 30)
+    assert busbw("all_reduce", gpus, 2 ** 30, t) == pytest.approx(published_busbw, rel=0.2)
 
 
 def test_profile_round_trip_and_bad_files(tmp_path):

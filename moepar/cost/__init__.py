@@ -1,14 +1,15 @@
 """Communication cost model: collectives, per-layer accounting, EP vs TP, reports.
 
-``python -m moepar report|recommend|calibrate|validate`` are the command-line front ends
+``python -m moepar report|recommend|price|calibrate|validate`` are the command-line front ends
 (``moepar.cost.cli``); the same pieces are importable:
 
     from moepar.cost import MoESpec, CostLayout, get_hardware, step_cost
     cost = step_cost(MoESpec(hidden=4096, ffn=14336, experts=8, topk=2, tokens=8192),
                      CostLayout(gpus=64, gpus_per_node=8, tp=2, ep=8), get_hardware("h100"))
 """
-from .accounting import Call, StepCost, layer_calls, step_calls, step_cost
-from .collectives import Curve, Link, Placement, bus_factor, busbw, link_time
+from .accounting import (DEFAULT_COMPUTE_EFFICIENCY, Call, StepCost, layer_calls, step_calls, step_cost,
+                         wire_bytes)
+from .collectives import Curve, Link, Placement, bus_factor, busbw, link_time, pick_algo
 from .compare import crossover_topk, ep_vs_tp, recommend
 from .hardware import PRESETS, Hardware, get_hardware, load_profile, save_profile
 from .model import (CostLayout, MoESpec, count_flops, count_params, imbalance_from_counts,
@@ -16,7 +17,7 @@ from .model import (CostLayout, MoESpec, count_flops, count_params, imbalance_fr
 from .report import build_report, measured_vs_predicted, render_markdown, render_text
 
 __all__ = [
-    "Call", "CostLayout", "Curve", "Hardware", "Link", "MoESpec", "PRESETS", "Placement", "StepCost",
+    "DEFAULT_COMPUTE_EFFICIENCY", "pick_algo", "wire_bytes", "Call", "CostLayout", "Curve", "Hardware", "Link", "MoESpec", "PRESETS", "Placement", "StepCost",
     "build_report", "bus_factor", "busbw", "count_flops", "count_params", "crossover_topk", "ep_vs_tp",
     "get_hardware", "imbalance_from_counts", "layer_calls", "link_time", "load_profile",
     "measured_vs_predicted", "memory_per_rank", "recommend", "render_markdown", "render_text",

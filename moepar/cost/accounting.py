@@ -24,9 +24,22 @@ Per MoE layer and micro-batch (what ``moepar.moe`` issues):
   attention (Megatron TP) [tp>1]: all-reduce T·D·b forward and backward (SP: all-gather +
            reduce-scatter each way).
 Per step: gradients of dense parameters over dp, of expert parameters over edp: all-reduce
-(ZeRO 0), reduce-scatter + all-gather of the updated weights (ZeRO 1, 2), reduce-scatter +
-an all-gather of weights before forward and before backward of every micro-batch (ZeRO 3);
-with sequence parallelism the norms' gradients are first all-reduced over TP (L·2·D·b).
+(ZeRO 0), reduce-scatter + all-gather of the updated weights (ZeRO 1), a reduce-scatter
+after every micro-batch's backward (ZeRO 2 and 3 keep only their gradient shard, as
+DeepSpeed does) + the all-gather of updated weights (2) or an all-gather of weights before
+forward and before backward of every micro-batch (3); with sequence parallelism the norms'
+gradients are first all-reduced over TP (L·2·D·b).
+
+Dtypes: ``b`` is the activation dtype; ``--dtype fp8`` is the FP8 recipe of DeepSeek-V3
+and Megatron (Transformer Engine): FP8 dispatch rows, BF16 combine rows, BF16 activations
+on the TP collectives, BF16 weights and gradients. ``dispatch_dtype`` / ``combine_dtype``
+override the two all-to-all directions (forward dispatch and backward combine-gradient
+carry the expert inputs; forward combine and backward dispatch-gradient the outputs).
+
+Two bounds on the step: no overlap (communication + compute), and ideal overlap: the
+data-parallel gradient reduction hidden behind the backward that produces it (the last
+micro-batch's for ZeRO 0/1, each micro-batch's for ZeRO 2/3) and shared experts' compute
+behind the MoE all-to-alls of the same phase.
 """
 from __future__ import annotations
 
@@ -35,11 +48,36 @@ import dataclasses
 from ..moe import counts_message
 from .collectives import sent_bytes
 from .hardware import Hardware
-from .model import (CostLayout, Flops, Memory, MoESpec, Params, Routes, check_fits,
+from .model import (DTYPE_BYTES, CostLayout, Flops, Memory, MoESpec, Params, Routes, check_fits,
                     count_flops, count_params, dedup_fraction, memory_per_rank, routes_per_rank)
 
 INT64 = 8
 FP32 = 4
+# Published model-FLOP utilisation of large training runs on H100: Megatron-Core reaches
+# up to 47% MFU (NVIDIA/Megatron-LM README); the default compute rate is 45% of peak.
+DEFAULT_COMPUTE_EFFICIENCY = 0.45
+FWD_SHARE, BWD_SHARE = 2 / 6, 4 / 6   # of the 6·N training FLOPs: 2 forward, 4 backward
+
+
+@dataclasses.dataclass(frozen=True)
+class WireBytes:
+    """Bytes per element: activations (TP collectives), dispatch rows, combine rows, and
+    weights/gradients."""
+
+    act: int
+    dispatch: int
+    combine: int
+    param: int
+
+
+def wire_bytes(spec: MoESpec) -> WireBytes:
+    """``--dtype fp8``: FP8 dispatch, BF16 combine, activations, weights and gradients
+    (DeepSeek-V3 sec. 3.3, Megatron's FP8 recipe); other dtypes: that dtype everywhere.
+    ``dispatch_dtype`` / ``combine_dtype`` override the all-to-all rows."""
+    base = DTYPE_BYTES["bf16"] if spec.dtype == "fp8" else spec.b
+    dispatch = DTYPE_BYTES[spec.dispatch_dtype] if spec.dispatch_dtype else spec.b
+    combine = DTYPE_BYTES[spec.combine_dtype] if spec.combine_dtype else base
+    return WireBytes(base, dispatch, combine, base)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +104,11 @@ class Call:
 
 
 def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes | None = None,
-                a2a_algo: str = "pairwise", ar_algo: str = "ring") -> list[Call]:
+                a2a_algo: str = "pairwise", ar_algo: str = "auto") -> list[Call]:
     """Every collective of one transformer block (attention + MoE), one micro-batch."""
     r = routes or routes_per_rank(spec, layout)
-    D, T, K, E, b = spec.hidden, spec.tokens, spec.topk, spec.experts, spec.b
+    w = wire_bytes(spec)
+    D, T, K, E, b = spec.hidden, spec.tokens, spec.topk, spec.experts, w.act
     tp, ep, etp, sp = layout.tp, layout.ep, layout.etp, layout.sp
     R = r.max
     calls: list[Call] = []
@@ -77,12 +116,19 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
     def add(name, op, group, phase, nbytes, formula, count=1):
         algo = a2a_algo if op == "all_to_all" else ar_algo if op == "all_reduce" else "ring"
         pl = layout.placement(group)
+        algo = hw.resolve_algo(op, pl, nbytes, algo)
         calls.append(Call(name, op, algo, group, pl.size, phase, float(nbytes), count,
                           hw.collective_time(op, pl, nbytes, algo), sent_bytes(op, pl, nbytes, algo),
                           formula))
 
     f = dedup_fraction(spec, layout)
-    rows, rows_formula = (R * D * b, "R·D·b") if f is None else (R * f * D * b, f"R·{f:.3g}·D·b (dedup)")
+    g = 1.0 if f is None else f
+    tag = "" if f is None else f"·{f:.3g}"
+
+    def rows_of(nb):   # the dispatched rows at nb bytes per element, and their formula
+        return R * g * D * nb, f"R{tag}·D·{'b' if nb == b else nb}" + (" (dedup)" if f is not None else "")
+    rows_in, in_formula = rows_of(w.dispatch)      # expert inputs: dispatch, combine-grad
+    rows_out, out_formula = rows_of(w.combine)     # expert outputs: combine, dispatch-grad
     for phase in ("fwd", "bwd"):
         # attention block, Megatron tensor parallel
         if tp > 1 and not sp:
@@ -95,18 +141,18 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                 f"ep·(E/ep+{len(counts_message.FIELDS)})·8")
         if ep > 1:
             add("MoE dispatch" if phase == "fwd" else "MoE combine grad", "all_to_all", "ep", phase,
-                rows, rows_formula)
+                rows_in, in_formula)
             if f is not None:   # the side message: weights and local ids, 2K fp32 per row (grads back)
                 add("MoE dedup side" if phase == "fwd" else "MoE dedup side grad", "all_to_all", "ep", phase,
                     R * f * 2 * K * FP32, f"R·{f:.3g}·2K·4")
         if etp > 1:
             if phase == "fwd":
                 add("expert-TP counts", "all_gather", "etp", phase, etp * E * INT64, "etp·E·8")
-            add("expert-TP gather rows", "all_gather", "etp", phase, etp * rows, "etp·R·D·b")
-            add("expert-TP reduce-scatter", "reduce_scatter", "etp", phase, etp * rows, "etp·R·D·b")
+            add("expert-TP gather rows", "all_gather", "etp", phase, etp * rows_in, "etp·" + in_formula)
+            add("expert-TP reduce-scatter", "reduce_scatter", "etp", phase, etp * rows_out, "etp·" + out_formula)
         if ep > 1:
             add("MoE combine" if phase == "fwd" else "MoE dispatch grad", "all_to_all", "ep", phase,
-                rows, rows_formula)
+                rows_out, out_formula)
         if tp > 1 and not sp:
             add("MoE TP gather" if phase == "fwd" else "MoE input-grad gather", "all_gather", "tp",
                 phase, T * D * b, "T·D·b")
@@ -126,17 +172,18 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
 
 
 def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params | None = None,
-               ar_algo: str = "ring", grad_bytes: int | None = None) -> list[Call]:
+               ar_algo: str = "auto", grad_bytes: int | None = None) -> list[Call]:
     """Data-parallel gradient (and ZeRO weight) collectives, once per step."""
     p = params or count_params(spec, layout)
-    gb = spec.b if grad_bytes is None else grad_bytes
+    gb = wire_bytes(spec).param if grad_bytes is None else grad_bytes
     out: list[Call] = []
     if layout.sp and layout.tp > 1:
         pl = layout.placement("tp")
         nbytes = spec.layers * p.norms * gb
-        out.append(Call("SP norm grads", "all_reduce", ar_algo, "tp", pl.size, "step", float(nbytes), 1,
-                        hw.collective_time("all_reduce", pl, nbytes, ar_algo),
-                        sent_bytes("all_reduce", pl, nbytes, ar_algo), "L·2·D·b", per="step"))
+        algo = hw.resolve_algo("all_reduce", pl, nbytes, ar_algo)
+        out.append(Call("SP norm grads", "all_reduce", algo, "tp", pl.size, "step", float(nbytes), 1,
+                        hw.collective_time("all_reduce", pl, nbytes, algo),
+                        sent_bytes("all_reduce", pl, nbytes, algo), "L·2·D·b", per="step"))
     for group, n_params, label in (("dp", p.dense_rank, "dense"), ("edp", p.expert_rank, "expert")):
         pl = layout.placement(group)
         if pl.size == 1 or n_params == 0:
@@ -145,14 +192,18 @@ def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params |
         sym = "N_dense_rank·b" if label == "dense" else "N_expert_rank·b"
 
         def add(name, op, phase, count, algo="ring"):
+            algo = hw.resolve_algo(op, pl, nbytes, algo)
             out.append(Call(name, op, algo, group, pl.size, phase, float(nbytes), count,
                             hw.collective_time(op, pl, nbytes, algo), sent_bytes(op, pl, nbytes, algo),
                             sym, per="step"))
         if layout.zero == 0:
             add(f"{label} grads", "all_reduce", "step", 1, ar_algo)
-        else:
+        elif layout.zero == 1:
             add(f"{label} grads", "reduce_scatter", "step", 1)
-            if layout.zero in (1, 2):
+            add(f"{label} updated weights", "all_gather", "step", 1)
+        else:   # ZeRO 2/3 keep a gradient shard only: reduce-scatter after every micro-batch
+            add(f"{label} grads (every micro-batch)", "reduce_scatter", "step", spec.micro_batches)
+            if layout.zero == 2:
                 add(f"{label} updated weights", "all_gather", "step", 1)
             else:
                 add(f"{label} weights (ZeRO-3, fwd+bwd)", "all_gather", "step", 2 * spec.micro_batches)
@@ -184,8 +235,13 @@ class StepCost:
                 + sum(c.total_seconds for c in self.step))
 
     @property
+    def rate(self) -> float:
+        """FLOP/s this rank reaches: peak x compute efficiency."""
+        return self.hardware.flops * self.compute_efficiency
+
+    @property
     def compute_per_step(self) -> float:
-        return self.flops.per_step_rank_max / (self.hardware.flops * self.compute_efficiency)
+        return self.flops.per_step_rank_max / self.rate
 
     @property
     def step_time(self) -> float:
@@ -193,21 +249,75 @@ class StepCost:
         return self.comm_per_step + self.compute_per_step
 
     @property
+    def grad_reduction(self) -> float:
+        """Seconds of gradient reduction per step (the per-step calls named ``... grads``)."""
+        return sum(c.total_seconds for c in self.step if "grads" in c.name)
+
+    @property
+    def hidden_grad_reduction(self) -> float:
+        """Gradient reduction behind the backward: the last micro-batch's backward for ZeRO
+        0/1 (gradients accumulate locally until then), every micro-batch's for ZeRO 2/3."""
+        bwd = self.flops.rank_max * BWD_SHARE / self.rate
+        windows = self.spec.micro_batches if self.layout.zero >= 2 else 1
+        return min(self.grad_reduction, bwd * windows)
+
+    @property
+    def hidden_shared_experts(self) -> float:
+        """Shared experts' compute behind the MoE all-to-alls of the same phase (per step)."""
+        s = self.spec
+        if not s.shared_experts or self.layout.ep == 1:
+            return 0.0
+        shared = 6 * s.tokens * self.params.shared / self.layout.tp / self.rate   # per layer, fwd + bwd
+        hidden = 0.0
+        for phase, share in (("fwd", FWD_SHARE), ("bwd", BWD_SHARE)):
+            a2a = sum(c.total_seconds for c in self.layer if c.phase == phase and c.op == "all_to_all")
+            hidden += min(a2a, shared * share)
+        return hidden * s.layers * s.micro_batches
+
+    @property
+    def step_time_overlapped(self) -> float:
+        """Ideal overlap: the step less the gradient reduction hidden behind the backward and
+        the all-to-alls hidden behind shared experts (a lower bound for this compute rate)."""
+        return self.step_time - self.hidden_grad_reduction - self.hidden_shared_experts
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Global batch: T tokens per micro-batch per TP group x dp groups x micro-batches."""
+        return self.spec.tokens * self.layout.dp * self.spec.micro_batches
+
+    def mfu(self, overlapped: bool = False) -> float:
+        """Model FLOPs (6·N_active per token, + attention scores) per step over the peak of
+        every GPU for the predicted step time."""
+        t = self.step_time_overlapped if overlapped else self.step_time
+        return self.flops.model * self.spec.micro_batches / (self.layout.gpus * self.hardware.flops * t)
+
+    def tokens_per_second_per_gpu(self, overlapped: bool = False) -> float:
+        t = self.step_time_overlapped if overlapped else self.step_time
+        return self.tokens_per_step / t / self.layout.gpus
+
+    @property
     def fits(self) -> bool:
         return self.memory.total <= self.hardware.memory_bytes
 
 
-def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float = 1.0,
-              a2a_algo: str = "pairwise", ar_algo: str = "ring") -> StepCost:
-    """Check the layout against the model, then price everything for one step."""
+def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float | None = None,
+              a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
+    """Check the layout against the model, then price everything for one step.
+    ``compute_efficiency`` defaults to DEFAULT_COMPUTE_EFFICIENCY on a preset's peak FLOP
+    rate and to 1.0 on a calibrated profile, whose rate is a measured matmul rate."""
     check_fits(spec, layout)
+    if compute_efficiency is None:
+        compute_efficiency = 1.0 if hw.calibrated else DEFAULT_COMPUTE_EFFICIENCY
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] "
                          f"(the fraction of the peak FLOP rate reached)")
     params = count_params(spec, layout)
     routes = routes_per_rank(spec, layout)
     flops = count_flops(spec, layout, params, routes)
-    memory = memory_per_rank(spec, layout, params, routes)
+    w = wire_bytes(spec)
+    # FP8 recipes keep weights, gradients and saved activations in BF16
+    mem_spec = spec.replace(dtype="bf16") if spec.dtype == "fp8" else spec
+    memory = memory_per_rank(mem_spec, layout, params, routes, param_bytes=w.param)
     return StepCost(spec, layout, hw, params, routes, flops, memory,
                     layer_calls(spec, layout, hw, routes, a2a_algo, ar_algo),
                     step_calls(spec, layout, hw, params, ar_algo), compute_efficiency)

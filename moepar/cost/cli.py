@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from typing import Callable
 
+from .accounting import DEFAULT_COMPUTE_EFFICIENCY
 from .collectives import ALGOS, OPS
-from .hardware import PRESETS, get_hardware, save_profile
+from .hardware import PRESETS, Hardware, get_hardware, save_profile
 from .model import MODELS, CostLayout, MoESpec, imbalance_from_counts
 from .units import fmt_bytes, fmt_time
 
@@ -23,19 +26,31 @@ def _guard(fn: Callable[[argparse.Namespace], int], parser: argparse.ArgumentPar
     args = parser.parse_args(argv)
     try:
         return fn(args)
-    except ValueError as e:
+    except (ValueError, OSError) as e:   # OSError: a file that cannot be read or written
         print(f"{parser.prog}: error: {e}", file=sys.stderr)
         return 2
+
+
+def check_output_path(path: str | None, flag: str) -> None:
+    """Refuse, before any work, an output file whose folder does not exist."""
+    if path is None:
+        return
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path!r}: folder {folder!r} does not exist (create it first)")
 
 
 def parse_size(text: str) -> int:
     """'64K', '64KiB', '1M', '65536' -> bytes (binary units)."""
     t = text.strip().upper().replace("IB", "").replace("B", "")
-    mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}.get(t[-1:], 1)
+    mult = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3, "T": 1024 ** 4}.get(t[-1:], 1)
     try:
-        return int(float(t[:-1] if mult > 1 else t) * mult)
+        value = float(t[:-1] if mult > 1 else t) * mult
     except ValueError:
-        raise ValueError(f"size {text!r} is not a byte count (e.g. 65536, 64K, 64M, 1G)") from None
+        value = math.nan
+    if not (math.isfinite(value) and value >= 1):
+        raise ValueError(f"size {text!r} is not a byte count >= 1 (e.g. 65536, 64K, 64M, 1GiB)")
+    return int(value)
 
 
 def _int_list(text: str) -> list[int]:
@@ -74,6 +89,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dedup", choices=("auto", "on", "off"), default="auto",
                    help="dispatch one row per token and EP rank (auto: as the layer, when the expected rows "
                         "are at most 0.3 of the routes under uniform routing)")
+    g.add_argument("--dispatch-dtype", help="dtype of the dispatched rows (default: fp8 with --dtype fp8, else --dtype)")
+    g.add_argument("--combine-dtype", help="dtype of the combined rows (default: bf16 with --dtype fp8, else --dtype)")
 
 
 def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
@@ -81,10 +98,31 @@ def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
     g.add_argument("--hardware", default=default,
                    help=f"preset ({', '.join(sorted(PRESETS))}) or a calibrated JSON profile (default {default})")
     g.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
-    g.add_argument("--compute-efficiency", type=float, default=1.0,
-                   help="fraction of the peak FLOP rate reached (default 1.0: compute time is a lower bound)")
+    g.add_argument("--nics-per-node", type=int, help="default: the hardware's NICs per GPU x --gpus-per-node")
+    g.add_argument("--compute-efficiency", type=float,
+                   help=f"fraction of the peak FLOP rate reached (default {DEFAULT_COMPUTE_EFFICIENCY} on a preset: "
+                        f"published MFU of Megatron-Core on H100 is up to 47%%; 1.0 on a calibrated profile, "
+                        f"whose rate is measured)")
     g.add_argument("--a2a", choices=ALGOS["all_to_all"], default="pairwise", help="all-to-all algorithm")
-    g.add_argument("--allreduce", choices=ALGOS["all_reduce"], default="ring", help="all-reduce algorithm")
+    g.add_argument("--allreduce", choices=ALGOS["all_reduce"], default="auto",
+                   help="all-reduce algorithm (default auto: the fastest of ring, tree, NVLS at each size, as NCCL)")
+
+
+def _positive_arg(name: str, v) -> None:
+    if v is not None and v < 1:
+        raise ValueError(f"{name}={v} must be >= 1")
+
+
+def hardware_from_args(a: argparse.Namespace) -> Hardware:
+    """--hardware with --gpus-per-node / --nics-per-node applied (validated, never defaulted
+    silently: 0 is refused, not read as "unset")."""
+    hw = get_hardware(a.hardware)
+    _positive_arg("--gpus-per-node", a.gpus_per_node)
+    _positive_arg("--nics-per-node", a.nics_per_node)
+    if a.gpus_per_node is None and a.nics_per_node is None:
+        return hw
+    gpn = hw.gpus_per_node if a.gpus_per_node is None else a.gpus_per_node
+    return hw.with_gpus_per_node(gpn, a.nics_per_node)
 
 
 def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
@@ -96,18 +134,35 @@ def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or pass --model, one of: {', '.join(sorted(MODELS))})")
     imbalance = a.imbalance
+    if not (math.isfinite(imbalance) and imbalance >= 1):
+        raise ValueError(f"--imbalance {imbalance} must be a finite number >= 1 (max/mean routes per EP rank)")
     if a.routing_counts:
-        text = a.routing_counts
-        if "," not in text:
-            with open(text) as f:
-                text = f.read().replace("\n", ",")
-        counts = [float(x) for x in text.replace(" ", ",").split(",") if x.strip()]
-        imbalance = imbalance_from_counts(counts, ep)
+        imbalance = _imbalance_from_file(a.routing_counts, base["experts"], ep)
     return MoESpec(tokens=a.tokens, dtype=a.dtype, capacity_factor=a.capacity_factor,
                    min_capacity=a.min_capacity, pad_to_capacity=a.pad_to_capacity,
                    shared_experts=a.shared_experts, shared_ffn=a.shared_ffn, gated=not a.plain_mlp,
                    seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches,
-                   dedup=getattr(a, "dedup", "auto"), **base)
+                   dedup=getattr(a, "dedup", "auto"), dispatch_dtype=getattr(a, "dispatch_dtype", None),
+                   combine_dtype=getattr(a, "combine_dtype", None), **base)
+
+
+def _imbalance_from_file(text: str, experts: int, ep: int) -> float:
+    """--routing-counts: comma-separated counts or a file of them, one per expert."""
+    if "," not in text:
+        if not os.path.isfile(text):
+            raise ValueError(f"--routing-counts {text!r} is neither a comma-separated list nor an existing file")
+        with open(text) as f:
+            text = f.read().replace("\n", ",")
+    try:
+        counts = [float(x) for x in text.replace(" ", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError("--routing-counts: the counts must be numbers (tokens per expert)") from None
+    if len(counts) != experts:
+        raise ValueError(f"--routing-counts has {len(counts)} counts; the model has experts={experts} "
+                         f"(one count per expert)")
+    if not all(math.isfinite(c) and c >= 0 for c in counts):
+        raise ValueError("--routing-counts: every count must be a finite number >= 0")
+    return imbalance_from_counts(counts, ep)
 
 
 # ---- report ---------------------------------------------------------------------------
@@ -115,14 +170,15 @@ def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
 def _report(a: argparse.Namespace) -> int:
     from .accounting import step_cost
     from .report import build_report, plot_png, render_markdown, render_text, to_json
-    hw = get_hardware(a.hardware)
-    gpn = a.gpus_per_node or hw.gpus_per_node
-    layout = CostLayout(a.gpus, gpn, a.tp, a.ep, a.etp, a.sp, a.zero)
+    for path, flag in ((a.markdown, "--markdown"), (a.json, "--json"), (a.png, "--png")):
+        check_output_path(path, flag)
+    hw = hardware_from_args(a)
+    layout = CostLayout(a.gpus, hw.gpus_per_node, a.tp, a.ep, a.etp, a.sp, a.zero)
     spec = spec_from_args(a, layout.ep)
     for w in layout.warnings():
         print(f"warning: {w}", file=sys.stderr)
-    cost = step_cost(spec, layout, hw.replace(gpus_per_node=gpn), a.compute_efficiency, a.a2a, a.allreduce)
-    rep = build_report(cost, _int_list(a.compare_sizes) if a.compare_sizes else None)
+    cost = step_cost(spec, layout, hw, a.compute_efficiency, a.a2a, a.allreduce)
+    rep = build_report(cost, _int_list(a.compare_sizes) if a.compare_sizes else None, a.allreduce)
     print(render_text(rep))
     for path, text in ((a.markdown, render_markdown), (a.json, to_json)):
         if path:
@@ -160,35 +216,56 @@ def report_main(argv: list[str]) -> int:
 def _recommend(a: argparse.Namespace) -> int:
     from .compare import recommend
     from ..tables import format_table
-    hw = get_hardware(a.hardware)
-    spec = spec_from_args(a)
+    check_output_path(a.json, "--json")
     if a.routing_counts:
         raise ValueError("--routing-counts depends on ep; pass --imbalance to recommend")
+    hw = hardware_from_args(a)
+    spec = spec_from_args(a)
     zero = _int_list(a.zero)
-    mem = a.memory_gib * 2 ** 30 if a.memory_gib else None
-    cands = recommend(spec, a.gpus, hw, a.gpus_per_node, mem, a.global_tokens, a.compute_efficiency,
-                      zero, a.cross_node_tp)
+    bad = [z for z in zero if z not in (0, 1, 2, 3)]
+    if bad or not zero:
+        raise ValueError(f"--zero {a.zero!r}: stages must be among 0, 1, 2, 3")
+    if a.memory_gib is not None and not (0 < a.memory_gib < math.inf):
+        raise ValueError(f"--memory-gib {a.memory_gib} must be a finite number > 0")
+    if a.global_tokens is not None and a.global_tokens < 1:
+        raise ValueError(f"--global-tokens {a.global_tokens} must be >= 1")
+    if a.top < 1:
+        raise ValueError(f"--top {a.top} must be >= 1")
+    mem = a.memory_gib * 2 ** 30 if a.memory_gib is not None else None
+    cands = recommend(spec, a.gpus, hw, None, mem, a.global_tokens, a.compute_efficiency,
+                      zero, a.cross_node_tp, a.a2a, a.allreduce)
     if not cands:
         raise ValueError(f"no layout of {a.gpus} GPUs divides the model (experts={spec.experts}, "
                          f"hidden={spec.hidden}, tokens={spec.tokens})")
     fit = [c for c in cands if c.fits]
-    rows = []
+    rows, data = [], []
     for i, c in enumerate((fit or cands)[: a.top], 1):
         lay, cost = c.cost.layout, c.cost
+        data.append({"rank": i, "tp": lay.tp, "sp": lay.sp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp,
+                     "edp": lay.edp, "zero": lay.zero, "micro_batches": cost.spec.micro_batches,
+                     "tokens": cost.spec.tokens, "memory_gib": cost.memory.total / 2 ** 30, "fits": c.fits,
+                     "comm_s": cost.comm_per_step, "compute_s": cost.compute_per_step,
+                     "step_s": cost.step_time_overlapped, "step_no_overlap_s": cost.step_time,
+                     "mfu": cost.mfu(True), "mfu_no_overlap": cost.mfu(),
+                     "tokens_per_s_per_gpu": cost.tokens_per_second_per_gpu(True)})
         rows.append({"#": i, "tp": lay.tp, "sp": "on" if lay.sp else "off", "ep": lay.ep, "etp": lay.etp,
                      "dp": lay.dp, "edp": lay.edp, "zero": lay.zero,
                      "micro-batches": f"{cost.spec.micro_batches} x {cost.spec.tokens}",
                      "memory": fmt_bytes(cost.memory.total), "comm": fmt_time(cost.comm_per_step),
-                     "compute": fmt_time(cost.compute_per_step), "step": fmt_time(cost.step_time)})
+                     "compute": fmt_time(cost.compute_per_step), "no overlap": fmt_time(cost.step_time),
+                     "MFU": f"{cost.mfu(True):.1%}", "tokens/s/GPU": f"{cost.tokens_per_second_per_gpu(True):.4g}",
+                     "step": fmt_time(cost.step_time_overlapped)})
     mem_text = fmt_bytes(mem or hw.memory_bytes)
+    total = fit[0].cost.tokens_per_step if fit else cands[0].cost.tokens_per_step
     print(f"{len(cands)} layouts of {a.gpus} GPUs on {hw.name}; {len(fit)} fit in {mem_text} per GPU; "
-          f"ranked by predicted step time (comm + compute, no overlap):")
+          f"about {total} tokens per step; ranked by predicted step time with ideal overlap (step; "
+          f"'no overlap' is the upper bound), compute at {cands[0].cost.compute_efficiency:.0%} of peak:")
     if not fit:
         print("NONE FITS: the smallest by memory are listed; add GPUs, raise --zero or lower --tokens")
     print(format_table(rows))
     if a.json:
         with open(a.json, "w") as f:
-            json.dump(rows, f, indent=1)
+            json.dump(data, f, indent=1)
     return 0
 
 
@@ -200,12 +277,61 @@ def recommend_main(argv: list[str]) -> int:
     g = p.add_argument_group("search")
     g.add_argument("--gpus", type=int, required=True)
     g.add_argument("--memory-gib", type=float, help="memory per GPU (default: the hardware's)")
-    g.add_argument("--global-tokens", type=int, help="tokens per step (default tokens x micro-batches x gpus)")
+    g.add_argument("--global-tokens", type=int,
+                   help="tokens per step (default 1048576, or tokens x micro-batches x gpus if larger)")
     g.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
     g.add_argument("--cross-node-tp", action="store_true", help="also consider tp/etp > gpus per node")
     g.add_argument("--top", type=int, default=10)
     g.add_argument("--json", help="write the ranked rows as JSON here")
     return _guard(_recommend, p, argv)
+
+
+# ---- price: one collective, nccl-tests style ---------------------------------------------
+
+def _price(a: argparse.Namespace) -> int:
+    from .collectives import Placement, bus_factor
+    check_output_path(a.json, "--json")
+    hw = hardware_from_args(a)
+    _positive_arg("--gpus", a.gpus)
+    size = parse_size(a.size)
+    gpn = hw.gpus_per_node
+    if a.gpus > gpn and a.gpus % gpn:
+        raise ValueError(f"--gpus {a.gpus} is not a whole number of nodes of --gpus-per-node {gpn}")
+    pl = Placement.contiguous(a.gpus, gpn)
+    t = hw.collective_time(a.op, pl, size, a.algo)
+    algo = hw.resolve_algo(a.op, pl, size, a.algo)
+    algbw = size / t if t > 0 else math.inf
+    busbw = algbw * bus_factor(a.op, a.gpus)
+    out = {"op": a.op, "algo": algo, "size_bytes": size, "gpus": a.gpus, "gpus_per_node": gpn,
+           "nodes": pl.nodes, "nics_per_node": hw.nics, "hardware": hw.name, "time_s": t,
+           "algbw_GBps": algbw / 1e9, "busbw_GBps": busbw / 1e9}
+    print(f"{a.op} ({algo}) of {fmt_bytes(size)} over {a.gpus} GPUs ({pl.nodes} node(s) x {pl.per_node}, "
+          f"{hw.nics} NICs per node) on {hw.name}:")
+    print(f"{'size (B)':>14} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13}")
+    print(f"{size:>14} {t * 1e6:>12.2f} {algbw / 1e9:>13.2f} {busbw / 1e9:>13.2f}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+            f.write("\n")
+        print(f"wrote {a.json}")
+    return 0
+
+
+def price_main(argv: list[str]) -> int:
+    """Predicted time, algbw and busbw of one collective, in nccl-tests' conventions (size:
+    bytes per rank; busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n otherwise)."""
+    p = argparse.ArgumentParser(prog="python -m moepar price", description=price_main.__doc__)
+    p.add_argument("op", choices=OPS)
+    p.add_argument("--size", default="1GiB", help="bytes per rank, nccl-tests' size (default 1GiB)")
+    p.add_argument("--gpus", type=int, default=8)
+    p.add_argument("--algo", help="algorithm (default: all_reduce auto, all_to_all pairwise, else ring)")
+    p.add_argument("--json", help="write time_s, algbw_GBps, busbw_GBps (and the inputs) here")
+    g = p.add_argument_group("hardware")
+    g.add_argument("--hardware", default="h100",
+                   help=f"preset ({', '.join(sorted(PRESETS))}) or a calibrated JSON profile (default h100)")
+    g.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
+    g.add_argument("--nics-per-node", type=int, help="default: the hardware's NICs per GPU x --gpus-per-node")
+    return _guard(_price, p, argv)
 
 
 # ---- calibrate / validate -------------------------------------------------------------------

@@ -8,27 +8,39 @@ all-gather, reduce-scatter and all-to-all. ``busbw`` is the rate each rank's lin
 so ``S * factor`` is the number of bytes each rank sends: that is what every formula here
 divides by a link bandwidth.
 
-Legend: n ranks in the group, m of them per node, g = n / m nodes spanned; B_intra,
-B_inter bandwidth per rank per direction of the intra-node link (NVLink, PCIe) and of the
-inter-node link (the GPU's NIC), a_intra, a_inter latency per algorithm step on that link,
-a0 a fixed start-up latency per collective.
+Legend: n ranks in the group, m of them per node, g = n / m nodes spanned. B_i is the
+intra-node link's achievable bandwidth per GPU per direction (line rate x efficiency);
+the inter-node link is one NIC, and b_x = NIC rate x efficiency x NICs per GPU is each
+GPU's share of its node's NICs (every group of a layout runs at once, so a node's NICs are
+shared by all its GPUs). a_i, a_x: latency per algorithm step on NVLink/PCIe and on the
+network; a0 a start-up latency per collective.
 
     op              algo          time
-    all_reduce      ring          a0 + 2(n-1) a + 2(n-1)/n S / B          (B, a: slowest hop)
-    all_reduce      tree          a0 + 2[(m-1) a_intra + ceil(log2 g) a_inter] + 2 S / B
-    all_gather      ring          a0 + (n-1) a + (n-1)/n S / B
-    reduce_scatter  ring          a0 + (n-1) a + (n-1)/n S / B
-    all_to_all      pairwise      a0 + max((m-1) a_intra + (m-1)/n S / B_intra,
-                                           (n-m) a_inter + (n-m)/n S / B_inter)
-    all_to_all      hierarchical  a0 + (m-1) a_intra + (m-1)/m S / B_intra
-                                     + (g-1) a_inter + (g-1)/g S / B_inter
+    all_reduce      ring          a0 + (2(n-1) - 2(g-1)) a_i + 2(g-1) a_x + 2(n-1)/n S / B
+    all_reduce      tree          a0 + 2[(m-1) a_i + ceil(log2 g) a_x] + 2 S / B
+    all_reduce      nvls          a0 + 2 a_i + S / A_nvls            (one NVSwitch node only)
+    all_gather,     ring          a0 + (n-1 - (g-1)) a_i + (g-1) a_x + (n-1)/n S / B
+    reduce_scatter
+    all_to_all      pairwise      a0 + a + max((m-1)/n S / B_i, (n-m)/n S / b_x)
+    all_to_all      hierarchical  a0 + a_i + (m-1)/m S / B_i + a_x + (g-1)/g S / b_x
 
-The ring's slowest hop is the inter-node link once the group spans nodes. The tree is
+with B = B_i on one node and min(B_i, m b_x) across nodes: NCCL's rings leave and enter a
+node once per ring, one ring per NIC (rails), so the g-node ring's rate is bounded by the
+NVLink hops and by the node's NICs that this group's m GPUs own (nccl-tests reach ~8 x
+47 GB/s on two DGX H100 nodes; docs/cost.md). A ring crosses nodes 2(g-1) times in an
+all-reduce, g-1 times in an all-gather: only those steps pay the network latency (NCCL's
+tuning model counts intra- and inter-node steps apart in the same way). The tree is
 NCCL's: a chain inside each node and a (double) binary tree across nodes, pipelined, so
-each rank sends about 2 S. Pairwise all-to-all drives both links at once; the two-level
-(hierarchical) one first exchanges inside the node so that the inter-node step sends g-1
-messages of S/g instead of n-m messages of S/n: the same inter-node bytes, fewer and
-larger messages (Tutel's 2DH all-to-all, DeepSpeed-MoE's hierarchical all-to-all).
+each rank sends about 2 S; NVLS is NVLink SHARP (the switch reduces), whose published
+all-reduce rate on 8 H100 is a busbw of ~480 GB/s, algbw ~275 GB/s (``A_nvls``). ``auto``,
+the default, takes the fastest available all-reduce at each size, as NCCL's tuner does.
+
+All-to-all peers are served in parallel (NCCL's grouped send/recv): one latency, and the
+slower of the intra-node share on NVLink and the inter-node share on the GPU's NICs. The
+two-level (hierarchical) one first exchanges inside the node so that the inter-node step
+sends g-1 messages of S/g instead of n-m messages of S/n: the same inter-node bytes,
+fewer and larger messages (Tutel's 2DH, DeepSpeed-MoE's hierarchical all-to-all), paid
+for by a second pass over NVLink and a second latency.
 """
 from __future__ import annotations
 
@@ -39,9 +51,9 @@ import math
 from typing import Mapping, Sequence
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-ALGOS = {"all_reduce": ("ring", "tree"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
+ALGOS = {"all_reduce": ("auto", "ring", "tree", "nvls"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
          "all_to_all": ("pairwise", "hierarchical")}
-DEFAULT_ALGO = {"all_reduce": "ring", "all_gather": "ring", "reduce_scatter": "ring",
+DEFAULT_ALGO = {"all_reduce": "auto", "all_gather": "ring", "reduce_scatter": "ring",
                 "all_to_all": "pairwise"}
 
 
@@ -80,18 +92,28 @@ def bus_bytes(op: str, n: int, nbytes: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One kind of link: bandwidth per rank per direction (bytes/s), latency per step (s)."""
+    """One kind of link: line rate per rank (or per NIC) per direction (bytes/s), latency
+    per algorithm step (s), and the fraction of the line rate NCCL achieves on it
+    (``efficiency``: protocol overhead; 1.0 for a measured, calibrated link)."""
 
     name: str
     bandwidth: float
     latency: float
     source: str = ""
+    efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         if not self.bandwidth > 0:
             raise ValueError(f"link {self.name!r}: bandwidth={self.bandwidth} must be > 0 bytes/s")
         if self.latency < 0:
             raise ValueError(f"link {self.name!r}: latency={self.latency} must be >= 0 s")
+        if not 0 < self.efficiency <= 1:
+            raise ValueError(f"link {self.name!r}: efficiency={self.efficiency} must be in (0, 1]")
+
+    @property
+    def achievable(self) -> float:
+        """Bytes/s NCCL reaches: line rate x efficiency."""
+        return self.bandwidth * self.efficiency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,58 +154,101 @@ class Placement:
         return cls(len(ranks), m)
 
 
-def link_time(op: str, placement: Placement, nbytes: float, intra: Link, inter: Link,
-              algo: str | None = None, base_latency: float = 0.0) -> float:
-    """Seconds for one collective of ``nbytes`` (size convention) on the two-link model."""
-    algo = check_op(op, algo)
-    n, m, g = placement.size, placement.per_node, placement.nodes
-    if n == 1:
-        return 0.0
+def _check_link_args(placement: Placement, nbytes: float, nic_share: float) -> None:
     if nbytes < 0:
         raise ValueError(f"nbytes={nbytes} must be >= 0")
-    S = float(nbytes)
-    # The slowest hop of a ring (or of a tree's pipeline) is the inter-node link if any.
-    slow = inter if g > 1 else intra
-    bw = min(intra.bandwidth, inter.bandwidth) if g > 1 else intra.bandwidth
+    if not nic_share > 0:
+        raise ValueError(f"nic_share={nic_share} (NICs per GPU) must be > 0")
+
+
+def _algo_time(op: str, algo: str, placement: Placement, S: float, intra: Link, inter: Link,
+               a0: float, nic_share: float, nvls_algbw: float) -> float:
+    n, m, g = placement.size, placement.per_node, placement.nodes
+    b_i = intra.achievable
+    b_x = inter.achievable * nic_share               # this GPU's share of its node's NICs
+    # a ring's rate: its NVLink hops, and across nodes the NICs its m GPUs of each node own
+    B = b_i if g == 1 else min(b_i, m * b_x)
+    a_i, a_x = intra.latency, inter.latency
     if op == "all_reduce" and algo == "ring":
-        return base_latency + 2 * (n - 1) * slow.latency + 2 * (n - 1) / n * S / bw
-    if op == "all_reduce":  # tree: chain inside the node, binary tree across nodes
-        steps = (m - 1) * intra.latency + math.ceil(math.log2(g)) * inter.latency if g > 1 \
-            else (m - 1) * intra.latency
-        return base_latency + 2 * steps + 2 * S / bw
+        inter_steps = 2 * (g - 1)
+        return a0 + (2 * (n - 1) - inter_steps) * a_i + inter_steps * a_x + 2 * (n - 1) / n * S / B
+    if op == "all_reduce" and algo == "tree":    # chain inside the node, binary tree across
+        steps = (m - 1) * a_i + (math.ceil(math.log2(g)) * a_x if g > 1 else 0.0)
+        return a0 + 2 * steps + 2 * S / B
+    if op == "all_reduce":                       # nvls: the NVSwitch reduces and multicasts
+        return a0 + 2 * a_i + S / nvls_algbw
     if op in ("all_gather", "reduce_scatter"):
-        return base_latency + (n - 1) * slow.latency + (n - 1) / n * S / bw
-    if algo == "pairwise":
-        t_intra = (m - 1) * intra.latency + (m - 1) / n * S / intra.bandwidth
-        t_inter = (n - m) * inter.latency + (n - m) / n * S / inter.bandwidth
-        return base_latency + max(t_intra, t_inter)
-    # hierarchical: intra-node all-to-all among m, then inter-node among g (same local rank)
-    t = (m - 1) * intra.latency + (m - 1) / m * S / intra.bandwidth
-    if g > 1:
-        t += (g - 1) * inter.latency + (g - 1) / g * S / inter.bandwidth
-    return base_latency + t
+        return a0 + (n - 1 - (g - 1)) * a_i + (g - 1) * a_x + (n - 1) / n * S / B
+    if algo == "pairwise":                       # every peer at once: one latency
+        return a0 + (a_x if g > 1 else a_i) + max((m - 1) / n * S / b_i, (n - m) / n * S / b_x)
+    # hierarchical: all-to-all among the node's m, then among the g ranks of the same local rank
+    t = a0 + a_i + (m - 1) / m * S / b_i
+    return t + (a_x + (g - 1) / g * S / b_x if g > 1 else 0.0)
+
+
+def available_algos(op: str, placement: Placement, nvls_algbw: float = 0.0) -> tuple[str, ...]:
+    """The concrete algorithms that can run ``op`` on ``placement`` (``auto`` picks among them)."""
+    check_op(op)
+    if op != "all_reduce":
+        return ALGOS[op]
+    return ("ring", "tree") + (("nvls",) if nvls_algbw > 0 and placement.nodes == 1 else ())
+
+
+def pick_algo(op: str, placement: Placement, nbytes: float, intra: Link, inter: Link,
+              algo: str | None = None, base_latency: float = 0.0, nic_share: float = 1.0,
+              nvls_algbw: float = 0.0) -> str:
+    """The algorithm ``link_time`` prices: ``algo`` itself, or for ``auto`` the fastest one."""
+    algo = check_op(op, algo)
+    if algo == "nvls" and "nvls" not in available_algos(op, placement, nvls_algbw):
+        raise ValueError(f"algo='nvls' needs one node with NVLink SHARP (an nvls_algbw); "
+                         f"this group spans {placement.nodes} node(s), nvls_algbw={nvls_algbw}")
+    if algo != "auto":
+        return algo
+    _check_link_args(placement, nbytes, nic_share)
+    return min(available_algos(op, placement, nvls_algbw),
+               key=lambda a: _algo_time(op, a, placement, float(nbytes), intra, inter, base_latency,
+                                        nic_share, nvls_algbw))
+
+
+def link_time(op: str, placement: Placement, nbytes: float, intra: Link, inter: Link,
+              algo: str | None = None, base_latency: float = 0.0, nic_share: float = 1.0,
+              nvls_algbw: float = 0.0) -> float:
+    """Seconds for one collective of ``nbytes`` (size convention) on the two-link model.
+
+    ``inter`` is one NIC and ``nic_share`` the NICs per GPU (NICs per node / GPUs per
+    node); ``nvls_algbw`` > 0 enables the NVLink SHARP all-reduce inside a node."""
+    algo = check_op(op, algo)
+    if placement.size == 1:
+        return 0.0
+    _check_link_args(placement, nbytes, nic_share)
+    algo = pick_algo(op, placement, nbytes, intra, inter, algo, base_latency, nic_share, nvls_algbw)
+    return _algo_time(op, algo, placement, float(nbytes), intra, inter, base_latency, nic_share, nvls_algbw)
 
 
 def sent_bytes(op: str, placement: Placement, nbytes: float, algo: str | None = None) -> float:
-    """Bytes each rank sends (the numerators above); 2 S for the tree all-reduce."""
+    """Bytes each rank sends (the numerators above); 2 S for the tree all-reduce, S into the
+    switch for NVLS. ``auto`` counts as the ring (pass ``pick_algo``'s choice for the rest)."""
     algo = check_op(op, algo)
     n, m, g = placement.size, placement.per_node, placement.nodes
     if n == 1:
         return 0.0
     if op == "all_reduce" and algo == "tree":
         return 2.0 * nbytes
+    if op == "all_reduce" and algo == "nvls":
+        return float(nbytes)
     if op == "all_to_all" and algo == "hierarchical":
         return (m - 1) / m * nbytes + ((g - 1) / g * nbytes if g > 1 else 0.0)
     return bus_bytes(op, n, nbytes)
 
 
 FORMULAS = {
-    ("all_reduce", "ring"): "2(n-1)/n·S / B + 2(n-1)·a",
-    ("all_reduce", "tree"): "2·S / B + 2[(m-1)·a_intra + log2(g)·a_inter]",
-    ("all_gather", "ring"): "(n-1)/n·S / B + (n-1)·a",
-    ("reduce_scatter", "ring"): "(n-1)/n·S / B + (n-1)·a",
-    ("all_to_all", "pairwise"): "max((m-1)/n·S / B_intra, (n-m)/n·S / B_inter) + steps·a",
-    ("all_to_all", "hierarchical"): "(m-1)/m·S / B_intra + (g-1)/g·S / B_inter + steps·a",
+    ("all_reduce", "ring"): "2(n-1)/n·S / min(B_i, m·b_x) + intra and inter steps·a",
+    ("all_reduce", "tree"): "2·S / min(B_i, m·b_x) + 2[(m-1)·a_i + log2(g)·a_x]",
+    ("all_reduce", "nvls"): "S / A_nvls + 2·a_i",
+    ("all_gather", "ring"): "(n-1)/n·S / min(B_i, m·b_x) + intra and inter steps·a",
+    ("reduce_scatter", "ring"): "(n-1)/n·S / min(B_i, m·b_x) + intra and inter steps·a",
+    ("all_to_all", "pairwise"): "max((m-1)/n·S / B_i, (n-m)/n·S / b_x) + a",
+    ("all_to_all", "hierarchical"): "(m-1)/m·S / B_i + (g-1)/g·S / b_x + a_i + a_x",
 }
 
 

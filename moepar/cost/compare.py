@@ -1,14 +1,16 @@
 """Expert parallelism against tensor slicing for the same FFN, crossovers, and ``recommend``.
 
-What is counted (per rank, per MoE layer, per training step, T tokens at each rank's
-layer input, group of n ranks, b bytes per element):
-  EP: 4 all-to-alls of T·K·D·b (dispatch and combine, forward and backward; the tiny
-      counts exchange is left out); each sends (n-1)/n of its buffer.
-  TP: 4 all-reduces of T·D·b (2 forward: attention-style row-parallel output and the
-      FFN's; 2 backward: their mirrors, Megatron's f/g); each sends 2(n-1)/n of it.
-So EP sends 4(n-1)/n·T·K·D·b and TP 8(n-1)/n·T·D·b: EP / TP = K / 2 in bytes (top-1 EP
-half of TP, top-2 equal, top-8 four times); the times differ by the algorithms'
-latencies and by which links each uses once the group spans nodes.
+Both sides process the same global batch: n GPUs holding ``t`` tokens each (the layer
+table's T/tp, so EP rows are the layer table's and ``recommend``'s (T/tp)·K, balanced).
+What is counted per rank, per MoE layer, per training step (b bytes per element):
+  EP over n: 4 all-to-alls of t·K·D·b (dispatch and combine, forward and backward; the
+      tiny counts exchange is left out); each sends (n-1)/n of its buffer.
+  TP over n: the group's n·t tokens are replicated on its ranks; 4 all-reduces of n·t·D·b
+      (2 forward: attention-style row-parallel output and the FFN's; 2 backward, Megatron's
+      f/g); each sends 2(n-1)/n of it.
+So EP sends 4(n-1)/n·t·K·D·b and TP 8(n-1)·t·D·b: EP / TP = K / (2n) in bytes; on a pure
+bandwidth link EP is faster for K < 2n, and the crossover is capped at E (K cannot exceed
+it). Latency and which links each uses once the group spans nodes move it.
 """
 from __future__ import annotations
 
@@ -26,14 +28,14 @@ TP_AR_PER_STEP = 4
 
 @dataclasses.dataclass(frozen=True)
 class Comparison:
-    """EP vs TP for one (T, D, K, n): bytes per collective, bytes sent, times (per step)."""
+    """EP vs TP for one (t, D, K, n) at equal global batch: bytes, bytes sent, times (per step)."""
 
-    tokens: int
+    tokens: int              # t, tokens per GPU
     hidden: int
     topk: int
     group_size: int
-    ep_bytes: float          # per all-to-all, size convention: T·K·D·b
-    tp_bytes: float          # per all-reduce: T·D·b
+    ep_bytes: float          # per all-to-all, size convention: t·K·D·b
+    tp_bytes: float          # per all-reduce: n·t·D·b
     ep_sent: float           # 4 x (n-1)/n x ep_bytes
     tp_sent: float           # 4 x 2(n-1)/n x tp_bytes
     ep_time: float
@@ -49,29 +51,33 @@ class Comparison:
         return "EP" if self.ep_time < self.tp_time else "TP"
 
 
-def ep_vs_tp(hw: Hardware, hidden: int, tokens: int, topk: float, group_size: int,
+def ep_vs_tp(hw: Hardware, hidden: int, tokens: float, topk: float, group_size: int,
              gpus_per_node: int | None = None, dtype_bytes: int = 2, a2a_algo: str = "pairwise",
-             ar_algo: str = "ring") -> Comparison:
-    """Price EP's 4 all-to-alls against TP's 4 all-reduces for one group of ``group_size``."""
+             ar_algo: str = "auto") -> Comparison:
+    """Price EP's 4 all-to-alls against TP's 4 all-reduces on one group of ``group_size``
+    GPUs holding ``tokens`` tokens each (equal global batch)."""
     for name, v in (("hidden", hidden), ("tokens", tokens), ("group_size", group_size)):
-        if v < 1:
+        if not v >= 1:
             raise ValueError(f"{name}={v} must be >= 1")
     pl = Placement.contiguous(group_size, gpus_per_node or hw.gpus_per_node)
     ep_b = tokens * topk * hidden * dtype_bytes
-    tp_b = tokens * hidden * dtype_bytes
+    tp_b = group_size * tokens * hidden * dtype_bytes
+    ar = hw.resolve_algo("all_reduce", pl, tp_b, ar_algo)
     return Comparison(tokens, hidden, topk, group_size, ep_b, tp_b,
                       EP_A2A_PER_STEP * sent_bytes("all_to_all", pl, ep_b, a2a_algo),
-                      TP_AR_PER_STEP * sent_bytes("all_reduce", pl, tp_b, ar_algo),
+                      TP_AR_PER_STEP * sent_bytes("all_reduce", pl, tp_b, ar),
                       EP_A2A_PER_STEP * hw.collective_time("all_to_all", pl, ep_b, a2a_algo),
                       TP_AR_PER_STEP * hw.collective_time("all_reduce", pl, tp_b, ar_algo))
 
 
-def crossover_topk(hw: Hardware, hidden: int, tokens: int, group_size: int, **kw) -> float:
-    """K* with EP time = TP time: EP is faster for K < K* (0: never; inf: always, K <= 4096)."""
+def crossover_topk(hw: Hardware, hidden: int, tokens: float, group_size: int, experts: int | None = None,
+                   **kw) -> float:
+    """K* with EP time = TP time: EP is faster for K < K* (0: never; inf: for every K up to
+    ``experts``, the most a token can pick; 4096 when not given)."""
     def diff(k):
         c = ep_vs_tp(hw, hidden, tokens, k, group_size, **kw)
         return c.ep_time - c.tp_time
-    lo, hi = 1e-6, 4096.0
+    lo, hi = 1e-6, float(experts or 4096)
     if diff(lo) >= 0:
         return 0.0
     if diff(hi) < 0:
@@ -86,10 +92,10 @@ def scale_bandwidth(hw: Hardware, factor: float) -> Hardware:
     """The same machine with both links ``factor`` x faster (measured curves dropped)."""
     def s(link: Link) -> Link:
         return dataclasses.replace(link, bandwidth=link.bandwidth * factor)
-    return hw.replace(intra=s(hw.intra), inter=s(hw.inter), curves={})
+    return hw.replace(intra=s(hw.intra), inter=s(hw.inter), curves={}, nvls_algbw=hw.nvls_algbw * factor)
 
 
-def sweep(hw: Hardware, param: str, values, hidden: int, tokens: int, topk: float, group_size: int,
+def sweep(hw: Hardware, param: str, values, hidden: int, tokens: float, topk: float, group_size: int,
           **kw) -> tuple[list[Comparison], list[str]]:
     """EP vs TP along one of tokens | hidden | topk | group_size | bandwidth (a factor on both
     links); returns the rows and, where the winner flips, the crossover located by bisection
@@ -155,27 +161,47 @@ def candidate_layouts(spec: MoESpec, gpus: int, gpus_per_node: int, zero_stages=
     return out
 
 
+# A million-token global batch (256 sequences of 4096): smaller than published MoE
+# pre-training batches (DeepSeek-V3: 3,072-15,360 sequences of 4K), large enough that the
+# per-step gradient reduction does not dwarf the per-layer collectives as a batch of one
+# micro-batch per GPU would.
+DEFAULT_GLOBAL_TOKENS = 2 ** 20
+
+
+def _rank_time(t: float) -> float:
+    """Step times equal to 3 significant digits (what the table prints) rank as equal, so
+    that the layout with less memory comes first (e.g. ZeRO 1/2 against ZeRO 0, which move
+    about the same bytes)."""
+    return float(f"{t:.3g}")
+
+
 def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None = None,
               memory_bytes: float | None = None, global_tokens: int | None = None,
-              compute_efficiency: float = 1.0, zero_stages=(0, 1, 2, 3),
-              cross_node_tp: bool = False) -> list[Candidate]:
-    """Every layout of ``gpus`` ranked by predicted step time (communication + compute),
-    those that fit in ``memory_bytes`` first. The global batch is fixed at ``global_tokens``
-    (default ``spec.tokens x spec.micro_batches x gpus``): a layout with dp replicas runs
+              compute_efficiency: float | None = None, zero_stages=(0, 1, 2, 3),
+              cross_node_tp: bool = False, a2a_algo: str = "pairwise", ar_algo: str = "auto") -> list[Candidate]:
+    """Every layout of ``gpus`` ranked by predicted step time with ideal overlap (both
+    bounds are on each candidate's ``cost``), those that fit in ``memory_bytes`` first. The
+    global batch is fixed at ``global_tokens`` (default ``DEFAULT_GLOBAL_TOKENS`` or
+    ``spec.tokens x spec.micro_batches x gpus`` if larger): a layout with dp replicas runs
     global / (tokens x dp) micro-batches of ``spec.tokens`` tokens."""
+    for name, v in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("global_tokens", global_tokens)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if memory_bytes is not None and not (0 < memory_bytes < math.inf):
+        raise ValueError(f"memory_bytes={memory_bytes} must be a finite number > 0")
     gpn = gpus_per_node or hw.gpus_per_node
     mem = memory_bytes or hw.memory_bytes
-    hw = hw.replace(memory_bytes=mem, gpus_per_node=gpn)
-    total = global_tokens or spec.tokens * spec.micro_batches * gpus
+    hw = (hw if gpn == hw.gpus_per_node else hw.with_gpus_per_node(gpn)).replace(memory_bytes=mem)
+    total = global_tokens or max(DEFAULT_GLOBAL_TOKENS, spec.tokens * spec.micro_batches * gpus)
     out = []
     for layout in candidate_layouts(spec, gpus, gpn, zero_stages, cross_node_tp):
         per_replica = total / layout.dp
         t = min(spec.tokens, max(layout.tp, int(per_replica) // layout.tp * layout.tp))
         s = spec.replace(tokens=t, micro_batches=max(1, math.ceil(per_replica / t)))
-        cost = step_cost(s, layout, hw, compute_efficiency)
+        cost = step_cost(s, layout, hw, compute_efficiency, a2a_algo, ar_algo)
         out.append(Candidate(cost, cost.fits))
-    # Fitting layouts by step time (ties, e.g. ZeRO 0/1/2 moving the same bytes: less memory
-    # first), then the rest by memory.
-    out.sort(key=lambda c: (not c.fits, round(c.cost.step_time, 12) if c.fits else c.cost.memory.total,
-                            c.cost.memory.total))
+    # Fitting layouts by overlapped step time (equal times: less memory first), then the
+    # rest by memory.
+    out.sort(key=lambda c: (not c.fits, _rank_time(c.cost.step_time_overlapped) if c.fits else c.cost.memory.total,
+                            c.cost.memory.total, _rank_time(c.cost.step_time)))
     return out

@@ -73,6 +73,8 @@ class MoESpec:
     imbalance: float = 1.0                 # max/mean routes over EP ranks
     micro_batches: int = 1
     dedup: str = "auto"                    # one dispatch row per token and EP rank: auto | on | off
+    dispatch_dtype: str | None = None      # dispatch all-to-alls' rows (default: fp8 for dtype fp8, else dtype)
+    combine_dtype: str | None = None       # combine all-to-alls' rows (default: bf16 for dtype fp8, else dtype)
 
     def __post_init__(self) -> None:
         _positive(hidden=self.hidden, ffn=self.ffn, experts=self.experts, topk=self.topk,
@@ -83,8 +85,10 @@ class MoESpec:
         _non_negative(min_capacity=self.min_capacity, shared_experts=self.shared_experts, vocab=self.vocab)
         if self.topk > self.experts:
             raise ValueError(f"topk={self.topk} must be <= experts={self.experts}")
-        if self.dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype={self.dtype!r} is not known; valid: {', '.join(DTYPE_BYTES)}")
+        for name in ("dtype", "dispatch_dtype", "combine_dtype"):
+            v = getattr(self, name)
+            if (v is not None or name == "dtype") and v not in DTYPE_BYTES:
+                raise ValueError(f"{name}={v!r} is not known; valid: {', '.join(DTYPE_BYTES)}")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
         if not self.imbalance >= 1.0:

@@ -7,6 +7,7 @@ only format it. ``measured_vs_predicted`` puts the collectives a run recorded th
 from __future__ import annotations
 
 import json
+import math
 from typing import Iterable, Sequence
 
 from ..tables import format_table
@@ -35,8 +36,9 @@ def _group_sizes(gpus: int) -> list[int]:
     return out or [1]
 
 
-def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None) -> dict:
-    """Everything the renderers print, as JSON-able data (seconds, bytes, counts)."""
+def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_algo: str = "auto") -> dict:
+    """Everything the renderers print, as JSON-able data (seconds, bytes, counts);
+    ``ar_algo`` is the all-reduce algorithm of the EP-vs-TP table (as ``--allreduce``)."""
     s, lay, hw, p, f, m, r = (cost.spec, cost.layout, cost.hardware, cost.params, cost.flops,
                               cost.memory, cost.routes)
     L, mb = s.layers, s.micro_batches
@@ -48,22 +50,25 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None) -> 
                  "per": c.per} for c in cs]
 
     sizes = list(compare_sizes or _group_sizes(lay.gpus))
-    algos = {c.op: c.algo for c in cost.layer if c.op in ("all_to_all", "all_reduce")}
-    kw = dict(gpus_per_node=lay.gpus_per_node, dtype_bytes=s.b, a2a_algo=algos.get("all_to_all", "pairwise"),
-              ar_algo=algos.get("all_reduce", "ring"))
+    a2a = [c.algo for c in cost.layer if c.op == "all_to_all"]
+    kw = dict(gpus_per_node=lay.gpus_per_node, dtype_bytes=s.b, a2a_algo=a2a[0] if a2a else "pairwise",
+              ar_algo=ar_algo)
+    t_gpu = s.tokens // lay.tp          # the layer table's T/tp tokens per GPU: rows (T/tp)·K
     comparison = []
     for n in sizes:
-        c = ep_vs_tp(hw, s.hidden, s.tokens, s.topk, n, **kw)
+        c = ep_vs_tp(hw, s.hidden, t_gpu, s.topk, n, **kw)
+        k_star = crossover_topk(hw, s.hidden, t_gpu, n, s.experts, **kw)
         comparison.append({"group_size": n, "ep_bytes": c.ep_bytes, "tp_bytes": c.tp_bytes,
                            "ep_sent": c.ep_sent, "tp_sent": c.tp_sent, "ep_seconds": c.ep_time,
                            "tp_seconds": c.tp_time, "ratio": c.ratio, "winner": c.winner,
-                           "k_star": crossover_topk(hw, s.hidden, s.tokens, n, **kw)})
+                           "k_star": None if k_star == math.inf else k_star,
+                           "ep_faster_for_every_topk": k_star == math.inf})
     n_ref = lay.ep if lay.ep > 1 else max(lay.tp, 2)
     crossovers = []
-    for param, values in (("tokens", [2 ** i for i in range(6, 19)]), ("hidden", [2 ** i for i in range(8, 15)]),
+    for param, values in (("tokens", [2 ** i for i in range(4, 17)]), ("hidden", [2 ** i for i in range(8, 15)]),
                           ("bandwidth", [2.0 ** i for i in range(-6, 5)])):
-        crossovers += sweep(hw, param, values, s.hidden, s.tokens, s.topk, n_ref, **kw)[1]
-    crossovers += sweep(hw, "group_size", sizes, s.hidden, s.tokens, s.topk, n_ref, **kw)[1]
+        crossovers += sweep(hw, param, values, s.hidden, t_gpu, s.topk, n_ref, **kw)[1]
+    crossovers += sweep(hw, "group_size", sizes, s.hidden, t_gpu, s.topk, n_ref, **kw)[1]
     by_phase = {ph: sum(c.total_seconds for c in cost.layer if c.phase == ph) for ph in ("fwd", "bwd")}
     return {
         "model": {k: v for k, v in vars(s).items()},
@@ -88,11 +93,18 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None) -> 
         "layer_collectives": calls(cost.layer), "step_collectives": calls(cost.step),
         "time": {"layer_fwd": by_phase["fwd"], "layer_bwd": by_phase["bwd"], "layer": cost.comm_per_layer,
                  "comm_per_step": cost.comm_per_step, "compute_per_step": cost.compute_per_step,
-                 "step": cost.step_time, "compute_efficiency": cost.compute_efficiency,
-                 "layers": L, "micro_batches": mb},
-        "ep_vs_tp": {"tokens": s.tokens, "hidden": s.hidden, "topk": s.topk, "rows": comparison,
+                 "step": cost.step_time, "step_overlapped": cost.step_time_overlapped,
+                 "grad_reduction": cost.grad_reduction, "hidden_grad_reduction": cost.hidden_grad_reduction,
+                 "hidden_shared_experts": cost.hidden_shared_experts,
+                 "compute_efficiency": cost.compute_efficiency, "layers": L, "micro_batches": mb,
+                 "tokens_per_step": cost.tokens_per_step,
+                 "mfu": cost.mfu(), "mfu_overlapped": cost.mfu(True),
+                 "tokens_per_s_per_gpu": cost.tokens_per_second_per_gpu(),
+                 "tokens_per_s_per_gpu_overlapped": cost.tokens_per_second_per_gpu(True)},
+        "ep_vs_tp": {"tokens": t_gpu, "hidden": s.hidden, "topk": s.topk, "experts": s.experts, "rows": comparison,
                      "crossovers": crossovers, "reference_group_size": n_ref,
-                     "counted": "EP: 4 all-to-alls of T·K·D·b; TP: 4 all-reduces of T·D·b, per layer per step"},
+                     "counted": "same global batch, t = T/tp tokens per GPU: EP 4 all-to-alls of t·K·D·b; "
+                                "TP 4 all-reduces of n·t·D·b, per layer per step"},
         "notes": [DEEPSPEED_NOTE],
     }
 
@@ -121,8 +133,16 @@ def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
          "value": f"{fmt_bytes(M['total'])} / {fmt_bytes(M['capacity'])} ({'fits' if M['fits'] else 'DOES NOT FIT'})"},
         {"quantity": "communication per layer (fwd / bwd)",
          "value": f"{fmt_time(T['layer_fwd'])} / {fmt_time(T['layer_bwd'])}"},
-        {"quantity": f"per step: comm / compute (at {T['compute_efficiency']:.0%} of peak) / total",
+        {"quantity": f"per step: comm / compute (at {T['compute_efficiency']:.0%} of peak) / total, no overlap",
          "value": f"{fmt_time(T['comm_per_step'])} / {fmt_time(T['compute_per_step'])} / {fmt_time(T['step'])}"},
+        {"quantity": "per step, ideal overlap (dp gradients behind backward, shared experts behind all-to-all)",
+         "value": f"{fmt_time(T['step_overlapped'])} (hides {fmt_time(T['hidden_grad_reduction'])} of "
+                  f"{fmt_time(T['grad_reduction'])} gradient reduction, {fmt_time(T['hidden_shared_experts'])} "
+                  f"of all-to-all)"},
+        {"quantity": f"MFU, no overlap / ideal overlap ({fmt_count(T['tokens_per_step'])} tokens per step)",
+         "value": f"{T['mfu']:.1%} / {T['mfu_overlapped']:.1%}"},
+        {"quantity": "tokens/s per GPU, no overlap / ideal overlap",
+         "value": f"{T['tokens_per_s_per_gpu']:.4g} / {T['tokens_per_s_per_gpu_overlapped']:.4g}"},
     ]
 
     def call_rows(cs):
@@ -135,11 +155,12 @@ def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
                  "EP sent": fmt_bytes(c["ep_sent"]), "TP sent": fmt_bytes(c["tp_sent"]),
                  "EP time": fmt_time(c["ep_seconds"]), "TP time": fmt_time(c["tp_seconds"]),
                  "EP/TP": f"{c['ratio']:.3g}", "faster": c["winner"],
-                 "EP faster for K <": f"{c['k_star']:.3g}"} for c in rep["ep_vs_tp"]["rows"]]
+                 "EP faster for K <": (f"any K <= {rep['ep_vs_tp']['experts']}" if c["ep_faster_for_every_topk"]
+                                       else f"{c['k_star']:.3g}")} for c in rep["ep_vs_tp"]["rows"]]
     return [("Summary", summary),
             ("Collectives per layer and micro-batch (most loaded rank)", call_rows(rep["layer_collectives"])),
             ("Collectives per step (data parallel)", call_rows(rep["step_collectives"])),
-            (f"EP vs TP for this FFN (T={rep['ep_vs_tp']['tokens']}, D={rep['ep_vs_tp']['hidden']}, "
+            (f"EP vs TP for this FFN (t={rep['ep_vs_tp']['tokens']} per GPU, D={rep['ep_vs_tp']['hidden']}, "
              f"K={rep['ep_vs_tp']['topk']}; {rep['ep_vs_tp']['counted']})", cmp_rows)]
 
 
@@ -215,12 +236,12 @@ def plot_png(rep: dict, path: str) -> None:
     ax1.set_title("collectives per layer and micro-batch")
     rows = rep["ep_vs_tp"]["rows"]
     ns = [r["group_size"] for r in rows]
-    ax3.plot(ns, [r["ep_seconds"] * 1e3 for r in rows], "o-", label="EP: 4 all-to-alls of T·K·D·b")
-    ax3.plot(ns, [r["tp_seconds"] * 1e3 for r in rows], "s-", label="TP: 4 all-reduces of T·D·b")
+    ax3.plot(ns, [r["ep_seconds"] * 1e3 for r in rows], "o-", label="EP: 4 all-to-alls of t·K·D·b")
+    ax3.plot(ns, [r["tp_seconds"] * 1e3 for r in rows], "s-", label="TP: 4 all-reduces of n·t·D·b")
     ax3.set_xscale("log", base=2)
     ax3.set_xlabel("group size")
     ax3.set_ylabel("ms per layer per step")
-    ax3.set_title(f"EP vs TP (T={rep['ep_vs_tp']['tokens']}, D={rep['ep_vs_tp']['hidden']}, K={rep['ep_vs_tp']['topk']})")
+    ax3.set_title(f"EP vs TP (t={rep['ep_vs_tp']['tokens']}, D={rep['ep_vs_tp']['hidden']}, K={rep['ep_vs_tp']['topk']})")
     ax3.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
