@@ -29,6 +29,7 @@ OPTION_CASES = [
     dict(k=2, score_func="sigmoid", expert_bias=True, num_shared_experts=1),
     dict(k=2, bias=True, num_shared_experts=1, dtype=torch.float64),
     dict(k=3, num_experts=6, activation="swiglu", capacity_factor=0.75, min_capacity=1, dtype=torch.float64),
+    dict(k=2, bias=True, activation="swiglu", num_shared_experts=1, dtype=torch.bfloat16),
 ]
 TOKENS = 7   # per replica: an odd count, so the two TP ranks' route shares differ in size
 
@@ -139,15 +140,18 @@ def _noisy(tp, ep, policy):
         if d == state.dp_rank:
             y_ref, tpe_ref = yd.detach(), ref.stats.tokens_per_expert.clone()
     grads = max(moe_ref.max_param_diff(moe, ref, state, use_grad=True).values())
+    with torch.no_grad():   # the noise does something: eval mode (no noise) differs
+        y_clean = moe.eval()(x)
     return (state.dp_rank, tpe_plain.tolist(), tpe_seeded.tolist(), tpe_ref.tolist(),
-            error_ratio(y, y_ref, torch.float32), grads)
+            error_ratio(y, y_ref, torch.float32), grads, error_ratio(y, y_clean, torch.float32))
 
 
 def _check_noisy(out):
     by_replica = {}
-    for dp_rank, plain, seeded, ref, y_ratio, grads in out:
+    for dp_rank, plain, seeded, ref, y_ratio, grads, noise_effect in out:
         by_replica.setdefault(dp_rank, []).append((plain, seeded))
         assert seeded == ref and y_ratio <= 1 and grads <= 1e-5, (dp_rank, seeded, ref, y_ratio, grads)
+        assert noise_effect > 10, noise_effect
     for dp_rank, ranks in by_replica.items():
         assert len(ranks) == 2 and ranks[0] == ranks[1], (dp_rank, ranks)   # both TP ranks alike
 
