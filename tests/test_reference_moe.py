@@ -9,7 +9,6 @@ shared experts, for the outputs, dX and every weight gradient.
 import pytest
 import torch
 
-from moepar.moe.layer import MoE
 from moepar.parallel import allreduce_gradients, init_parallel
 from moepar.parallel.groups import ParallelState
 
@@ -93,23 +92,28 @@ def test_shared_experts_alone_equal_a_dense_ffn_per_token():
         assert error_ratio(shared_y, ref, torch.float32) <= 1, act
 
 
-def _distributed_vs_per_token(tp, ep, etp, cases, tokens=6):
+def _distributed_vs_per_token(tp, ep, etp, cases, tokens=6, sp=False):
     """Each rank: its replica through the distributed layer, compared with the per-token
-    reference; weight grads (summed over replicas) compared with the reference's slices."""
+    reference; weight grads (summed over replicas) compared with the reference's slices.
+    ``sp``: sequence parallelism, each TP rank holding its own slice of the replica."""
+    from moepar.parallel.comm import split_sizes
     state = init_parallel(tp, ep, etp, verbose=False)
+    sizes = split_sizes(tokens, state.tp_size) if sp else [tokens]
+    lo = sum(sizes[:state.tp_rank]) if sp else 0
+    hi = lo + sizes[state.tp_rank if sp else 0]
     results = []
     for case in cases:
         kw = layer_kw(case)
-        moe = moe_ref.build(state, **kw)
+        moe = moe_ref.build(state, sequence_parallel=sp, **kw)
         set_expert_bias(moe)
         xs, gs = zip(*[moe_ref.replica_input(d, tokens) for d in range(state.dp_size)])
         ys, dxs, ref_grads, _, _ = per_token_reference(kw, xs, gs)
-        x = xs[state.dp_rank].clone().requires_grad_()
+        x = xs[state.dp_rank][lo:hi].clone().requires_grad_()
         y = moe(x)
-        (y * gs[state.dp_rank]).sum().backward()
+        (y * gs[state.dp_rank][lo:hi]).sum().backward()
         allreduce_gradients(moe, state, op="sum")
-        results.append({"case": case, "y": error_ratio(y, ys[state.dp_rank], torch.float32),
-                        "dx": error_ratio(x.grad, dxs[state.dp_rank], torch.float32),
+        results.append({"case": case, "y": error_ratio(y, ys[state.dp_rank][lo:hi], torch.float32),
+                        "dx": error_ratio(x.grad, dxs[state.dp_rank][lo:hi], torch.float32),
                         "grads": grad_ratios(moe, ref_grads, state)})
     return results
 
@@ -122,6 +126,16 @@ def test_distributed_layer_equals_the_per_token_reference():
              dict(k=3, num_experts=8, activation="swiglu", score_func="sigmoid", expert_bias=True),
              dict(k=2, capacity_factor=0.5, min_capacity=1, drop_policy="position", bias=True)]
     for rank, results in enumerate(run_ranks(_distributed_vs_per_token, 4, 2, 2, 2, cases)):
+        for r in results:
+            bad = {n: v for n, v in r["grads"].items() if not v <= 1}
+            assert r["y"] <= 1 and r["dx"] <= 1 and not bad, (rank, r)
+
+
+def test_sequence_parallel_layer_equals_the_per_token_reference():
+    # tp=2 ep=2 with sequence parallelism: 7 tokens a replica cut 4 + 3 over the TP ranks;
+    # dropless (capacity is per rank's own slice under SP, not the replica's).
+    cases = [dict(k=2, num_shared_experts=1, bias=True), dict(k=3, num_experts=8, expert_bias=True)]
+    for rank, results in enumerate(run_ranks(_distributed_vs_per_token, 4, 2, 2, 1, cases, 7, True)):
         for r in results:
             bad = {n: v for n, v in r["grads"].items() if not v <= 1}
             assert r["y"] <= 1 and r["dx"] <= 1 and not bad, (rank, r)
