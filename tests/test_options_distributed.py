@@ -1,8 +1,11 @@
-"""Every layer option, distributed, deterministic, fp32/fp64, against the per-token reference.
+"""Every layer option, distributed, deterministic, against the per-token reference.
 
 Four gloo ranks at tp=2, ep=2 (two data-parallel replicas, each TP pair sharing its
 replica's tokens and dispatching half of its routes each), one worker call per test that
-loops over the cases. Tolerances: tests/tolerances.py.
+loops over the cases. fp32 and fp64 layers (and one bf16 case, held to the relative bf16
+tolerance); all tolerances come from tests/tolerances.py. Also: a nonzero expert bias and
+``update_expert_bias``, noisy gating (the TP ranks must draw the same noise), eval mode
+with ``eval_capacity_factor``, and ``grad_norm`` / ``clip_grad_norm_`` at etp=2.
 """
 import torch
 
