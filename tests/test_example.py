@@ -1,6 +1,5 @@
 """The GPT-MoE example: layouts agree, resume across layouts, data errors, crash safety."""
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -31,23 +30,64 @@ def test_layouts_agree_on_the_first_losses(tmp_path):
     for tp, ep in [(2, 2), (1, 4)]:
         out = str(tmp_path / f"tp{tp}ep{ep}")
         per_rank = run_ranks(_train, 4, common + ["--tp", str(tp), "--ep", str(ep), "--out", out])
-        for losses in per_rank:
-            assert max(abs(a - b) for a, b in zip(losses, single)) <= 1e-4, (tp, ep, losses, single)
+        assert len(per_rank) == 4
+        for rank, losses in enumerate(per_rank):   # every rank, not only rank 0
+            assert len(losses) == 5, (tp, ep, rank, losses)
+            assert max(abs(a - b) for a, b in zip(losses, single)) <= 1e-4, (tp, ep, rank, losses, single)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+def _train_interrupted(argv, stop_at):
+    """The example, crashing right after it saved the checkpoint of step ``stop_at`` (what
+    it had in memory is lost; a resumed run has only the files). Returns the losses it had
+    logged by then, and the checkpoint's path."""
+    saved = train_gpt_moe.checkpoint.save_checkpoint
+    logged = []
+
+    def save_then_crash(root, step, model, opt, extra, state):
+        path = saved(root, step, model, opt, extra, state)
+        if step == stop_at:
+            logged.extend(extra["metrics"]["losses"])
+            raise _Interrupted(path)
+        return path
+    train_gpt_moe.checkpoint.save_checkpoint = save_then_crash
+    try:
+        train_gpt_moe.train(train_gpt_moe.parse_args(argv))
+    except _Interrupted as e:
+        return logged, str(e)
+    finally:
+        train_gpt_moe.checkpoint.save_checkpoint = saved
+    raise AssertionError(f"the run ended without saving step {stop_at}")
+
+
+def _train_metrics(argv):
+    m = train_gpt_moe.train(train_gpt_moe.parse_args(argv))
+    return m["losses"], m.get("resumed_at")
 
 
 def test_resume_under_another_layout_continues_the_same_curve(tmp_path):
+    # Uninterrupted: 6 steps at tp=2 ep=2. Interrupted: the same run crashing after saving
+    # step 3, resumed from its files at tp=1 ep=4. The resumed run's own losses of steps
+    # 4..6 (the model, optimizer, lr schedule and data order all resumed) continue the
+    # uninterrupted curve, on every rank; the steps before come from the checkpoint.
     common = TINY + ["--steps", "6", "--lr", "1e-2", "--warmup", "2"]
-    full_dir = str(tmp_path / "full")
-    full = run_ranks(_train, 4, common + ["--tp", "2", "--ep", "2", "--out", full_dir,
-                                          "--checkpoint-every", "3"])[0]
-    resume_dir = str(tmp_path / "resume")
-    os.makedirs(os.path.join(resume_dir, "checkpoints"))
-    shutil.copytree(os.path.join(full_dir, "checkpoints", "step_3"),
-                    os.path.join(resume_dir, "checkpoints", "step_3"))
-    resumed = run_ranks(_train, 4, common + ["--ep", "4", "--out", resume_dir, "--resume"])[0]
-    assert len(resumed) == 6
-    assert resumed[:3] == full[:3]  # restored from the checkpoint's metrics
-    assert max(abs(a - b) for a, b in zip(resumed[3:], full[3:])) <= 1e-5, (resumed, full)
+    full = run_ranks(_train, 4, common + ["--tp", "2", "--ep", "2", "--out", str(tmp_path / "full")])
+    assert all(losses == full[0] for losses in full)   # the dp-mean loss, identical on every rank
+    out = str(tmp_path / "interrupted")
+    first = run_ranks(_train_interrupted, 4, common + ["--tp", "2", "--ep", "2", "--out", out,
+                                                       "--checkpoint-every", "3"], 3)
+    for rank, (logged, path) in enumerate(first):
+        assert path.endswith("step_3") and len(logged) == 3, (rank, path, logged)
+        assert max(abs(a - b) for a, b in zip(logged, full[rank][:3])) <= 1e-6, (rank, logged, full[rank])
+    resumed = run_ranks(_train_metrics, 4, common + ["--ep", "4", "--out", out, "--resume"])
+    for rank, (losses, resumed_at) in enumerate(resumed):
+        assert resumed_at == 3 and len(losses) == 6, (rank, resumed_at, losses)
+        new = losses[3:]     # computed by the resumed run itself
+        assert max(abs(a - b) for a, b in zip(new, full[rank][3:])) <= 1e-5, (rank, new, full[rank])
+        assert abs(new[0] - full[rank][0]) > 1e-3   # not a restart from step 1
 
 
 def test_data_errors_are_clear(tmp_path, capsys):
