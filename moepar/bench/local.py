@@ -233,7 +233,7 @@ def bench_bandwidth(T: int, D: int, K: int, E: int, dtype, rounds: int, device="
     src = torch.empty_like(x_ND)
     dst = torch.empty_like(x_ND)
     from moepar_kernels import permute as pk
-    route_N = pk._inverse_row_map(row_map, N)
+    route_N = pk.inverse_row_map(row_map, N)
     fns = {
         "copy N*D": lambda: dst.copy_(src),
         "permute (whole op)": lambda: permute(x_TD, ids, None, E, impl="triton"),

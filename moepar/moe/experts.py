@@ -37,8 +37,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from moepar_kernels import workspace
 
+from . import cpu
 from .gemm import GEMM_PATHS, _LoopGemm, choose_gemm_path, make_gemm, path_supported, resolve_gemm_path  # noqa: F401
 
 
@@ -86,7 +86,7 @@ class _ExpertsFunction(torch.autograd.Function):
         # segment_experts: row block i is for expert segment_experts[i] (any order, repeats
         # allowed; the loop path with whole weights, see _LoopGemm); None: block e is expert e.
         mapped = segment_experts is not None
-        y = workspace.empty_like_rows(x, x.shape[0], w2.shape[2])
+        y = cpu.empty_like_rows(x, x.shape[0], w2.shape[2])
         saved = []
         for e0, e1, r0, r1 in _segments(counts, w1.shape[2] * x.element_size()):
             sl = slice(e0, e1)
@@ -123,8 +123,8 @@ class _ExpertsFunction(torch.autograd.Function):
         # gx is allocated after the first (last) segment is done and freed, from its memory;
         # that segment's rows wait in a small temporary meanwhile.
         gx, gx_first = None, None
-        gw1, gw2 = (workspace.empty(w.shape, w.dtype, w.device) if need[i] else None for i, w in ((1, w1), (2, w2)))
-        gw3 = workspace.empty(w3.shape, w3.dtype, w3.device) if w3 is not None and need[3] else None
+        gw1, gw2 = (cpu.empty(w.shape, w.dtype, w.device) if need[i] else None for i, w in ((1, w1), (2, w2)))
+        gw3 = cpu.empty(w3.shape, w3.dtype, w3.device) if w3 is not None and need[3] else None
         has_b = ctx.has_b
         gb1 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b[0] and need[4] else None
         gb2 = w2.new_empty(w2.shape[0], w2.shape[2]) if has_b[1] and need[5] else None
@@ -181,7 +181,7 @@ class _ExpertsFunction(torch.autograd.Function):
                     gemm.bias_grad(gh3, out=part(gb3))
             del xg, ga, gh1, gh3
             if gx_first is not None:
-                gx = workspace.empty_like_rows(gy, gy.shape[0], w1.shape[1])
+                gx = cpu.empty_like_rows(gy, gy.shape[0], w1.shape[1])
                 gx[gx_first[0]:gx_first[1]] = gx_first[2]
                 gx_first = None
         return gx, gw1, gw2, gw3, gb1, gb2, gb3, None, None, None, None
