@@ -245,7 +245,7 @@ class Dispatcher:
         # A CUDA tensor never enters cpu.py: source-major rows pay only on gloo (below).
         on_cpu = x.device.type == "cpu" and source_major and self.etp == 1
         forms = SOURCE_MAJOR if on_cpu and cpu.source_major_pays(self.ep_group, L) else 0
-        recv = self._counts_all_to_all(counts_E, x.shape[1], x.dtype, error, None, rows_P, vote, forms)
+        recv = self.counts_all_to_all(counts_E, x.shape[1], x.dtype, error, None, rows_P, vote, forms)
         field = lambda name: recv[:, counts_message.column(name, L)]   # noqa: E731
         counts_PL = recv[:, :L]
         send, got = counts_E.view(P, L).sum(1).tolist(), counts_PL.sum(1).tolist()
@@ -296,7 +296,7 @@ class Dispatcher:
         E, L, P, D = self.num_experts, self.num_local, self.ep, x_TD.shape[1]
         tp = comm.group_size(self.tp_group)
         if P > 1:  # agree on one capacity
-            recv = self._counts_all_to_all(torch.zeros(E, dtype=torch.int64), D, x_TD.dtype, None, capacity)
+            recv = self.counts_all_to_all(torch.zeros(E, dtype=torch.int64), D, x_TD.dtype, None, capacity)
             capacity = int(recv[:, counts_message.column("capacity", L)].max())
         capacity = -(-capacity // tp) * tp
         x_ND, _, row_map_TK = permute(x_TD, expert_ids_TK, dropped_TK, E, capacity=capacity)
@@ -344,7 +344,7 @@ class Dispatcher:
         return DEDUP_VOTES[self.dedup]
 
     # ---- the counts message doubles as a collective sanity check ------------------------
-    def _counts_all_to_all(self, counts_E: torch.Tensor, hidden: int, dtype: torch.dtype, error: str | None,
+    def counts_all_to_all(self, counts_E: torch.Tensor, hidden: int, dtype: torch.dtype, error: str | None,
                            capacity: int | None, dedup_P: torch.Tensor | None = None, dedup_vote: int = 0,
                            forms: int = 0) -> torch.Tensor:
         """Send each EP peer the counts for its experts plus the metadata of
@@ -383,7 +383,7 @@ class Dispatcher:
         """A rank whose input is invalid calls this instead of ``dispatch``: its EP peers
         learn of it in the counts exchange and everyone raises, nobody hangs."""
         if self.ep > 1:
-            self._counts_all_to_all(torch.zeros(self.num_experts, dtype=torch.int64), hidden, dtype, error, None)
+            self.counts_all_to_all(torch.zeros(self.num_experts, dtype=torch.int64), hidden, dtype, error, None)
         raise ValueError(error)
 
     # ---- combine ----------------------------------------------------------------------
