@@ -112,7 +112,7 @@ def test_segment_experts_blocks_in_any_order(activation, bias, segment_bytes, mo
     the float64 per-block reference, untouched experts' weight gradients zero. With a tiny
     SEGMENT_BYTES every block is its own GEMM group, so the per-expert weight gradients
     accumulate across groups."""
-    from moepar.moe import experts_fn as experts_mod
+    from moepar.moe import cpu as experts_mod
     if segment_bytes is not None:
         monkeypatch.setattr(experts_mod, "SEGMENT_BYTES", segment_bytes)
     m = GroupedExperts(4, 8, 12, activation, bias, init_seed=7)

@@ -15,8 +15,8 @@ grouped GEMM per expert is what the GPU wants).
 Why. With glibc's allocator a buffer of more than a few MiB is mapped from the kernel when
 it is allocated and unmapped when it is freed (or trimmed from the heap top), so every
 step's dispatch buffers, all-to-all outputs and expert gradients are faulted in page by
-page, zero-filled, again at every step. On the development VM that costs about 0.5 ms per
-MiB, several times the cost of the copy that fills the buffer (docs/bench.md). PyTorch's
+page, zero-filled, again at every step, which costs several times the copy that fills the
+buffer (measured: docs/benchmarks.md, docs/moe.md "CPU buffers"). PyTorch's
 CUDA caching allocator does not exist on the CPU; jemalloc/tcmalloc or glibc's MALLOC_*
 variables fix it process-wide, but a library cannot count on them.
 
@@ -42,6 +42,13 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+
+# The grouped experts on CPU tensors run in segments of consecutive experts whose [rows, F]
+# intermediates stay under this many bytes (an expert larger than that is a segment of its
+# own; experts_fn.expert_segments). Buffers below glibc's mmap threshold (dynamic, at most
+# 32 MiB) are reused from the heap; larger ones are mapped afresh and every page faults on
+# first touch at every call. CUDA tensors run as one segment (the caching allocator reuses).
+SEGMENT_BYTES = 8 << 20
 
 # Below this glibc serves from the heap anyway (the default of ``CpuBufferPool.min_bytes``).
 MIN_BYTES = 1 << 20

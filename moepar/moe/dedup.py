@@ -14,8 +14,8 @@ from moepar_kernels.permute import inverse_row_map, permute
 
 # Dedup (one row per token and destination rank) in "auto" mode: when the EP group's rows
 # with dedup are at most this fraction of its routes. The break-even measured on the 2-core
-# CPU with gloo (docs/bench.md); not measured on NCCL, where moving bytes costs more against
-# the local passes and the break-even is likely higher (MOEPAR_DEDUP=1 forces it).
+# CPU with gloo (docs/benchmarks.md); not measured on NCCL, where moving bytes costs more
+# against the local passes and the break-even is likely higher (dedup="on" forces it).
 DEDUP_MAX_FRACTION = 0.3
 
 

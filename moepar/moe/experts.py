@@ -26,7 +26,7 @@ within float rounding:
 Experts run in segments of consecutive experts whose [rows, F] intermediates stay under
 ``SEGMENT_BYTES`` (heap-sized buffers, no fresh page faults at every call); backward walks
 the segments last-first, freeing each as it goes, and gelu/swiglu recompute their output
-from the saved pre-activation instead of storing it (docs/bench.md has the measurements).
+from the saved pre-activation instead of storing it (docs/local.md).
 """
 from __future__ import annotations
 

@@ -14,19 +14,16 @@ from . import cpu
 from .gemm import LoopGemm, make_gemm
 
 
-# Experts run in segments of consecutive experts whose [rows, F] intermediates stay under
-# this many bytes (an expert larger than that is a segment of its own). Buffers below
-# glibc's mmap threshold (dynamic, at most 32 MiB) are reused from the heap; larger ones are
-# mapped afresh and every page faults on first touch at every call (~1.4 us a 4 KiB page
-# here: 11 ms for one 32 MiB buffer). Measured in docs/bench.md.
-SEGMENT_BYTES = 8 << 20
-
-
-def expert_segments(counts: Sequence[int], row_bytes: int) -> list[tuple[int, int, int, int]]:
-    """(first expert, end expert, first row, end row) of each segment."""
+def expert_segments(counts: Sequence[int], row_bytes: int, limit: int | None = None
+                    ) -> list[tuple[int, int, int, int]]:
+    """(first expert, end expert, first row, end row) of each segment: consecutive experts
+    whose [rows, F] intermediates stay under ``limit`` bytes (None: one segment; the CPU
+    path passes ``cpu.SEGMENT_BYTES``)."""
+    if limit is None:
+        return [(0, len(counts), 0, sum(counts))]
     segs, e0, r0, rows = [], 0, 0, 0
     for e, c in enumerate(counts):
-        if e > e0 and (rows + c) * row_bytes > SEGMENT_BYTES:
+        if e > e0 and (rows + c) * row_bytes > limit:
             segs.append((e0, e, r0, r0 + rows))
             e0, r0, rows = e, r0 + rows, 0
         rows += c
@@ -36,7 +33,7 @@ def expert_segments(counts: Sequence[int], row_bytes: int) -> list[tuple[int, in
 
 class ExpertsFunction(torch.autograd.Function):
     """All local experts' FFN, forward and backward, on ragged expert-major rows, one
-    segment of experts at a time (see ``SEGMENT_BYTES``): the [rows, F] intermediates are
+    segment of experts at a time on the CPU (see ``cpu.SEGMENT_BYTES``): the [rows, F] intermediates are
     per segment, the outputs and gradients are written into slices of whole buffers.
     Only the pre-activations are kept for backward (gelu/swiglu recompute their output
     there, one elementwise pass; relu keeps its in-place output): half the [N, F] memory."""
@@ -48,7 +45,9 @@ class ExpertsFunction(torch.autograd.Function):
         mapped = segment_experts is not None
         y = cpu.empty_like_rows(x, x.shape[0], w2.shape[2])
         saved = []
-        for e0, e1, r0, r1 in expert_segments(counts, w1.shape[2] * x.element_size()):
+        # Segments only on the CPU (heap-sized intermediates, cpu.py); one GEMM group elsewhere.
+        limit = cpu.SEGMENT_BYTES if x.device.type == "cpu" else None
+        for e0, e1, r0, r1 in expert_segments(counts, w1.shape[2] * x.element_size(), limit):
             sl = slice(e0, e1)
             part = (lambda t: t) if mapped else (lambda t: part_of(t, sl))   # noqa: E731
             gemm = LoopGemm(counts[sl], segment_experts[sl]) if mapped else make_gemm(path, counts[sl], x.device)
