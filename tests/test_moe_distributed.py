@@ -379,6 +379,24 @@ def test_one_rank_with_a_wrong_hidden_size_raises_on_every_rank(world, tp, ep, e
         assert msg is not None and expected in msg, (rank, msg)
 
 
+def _groups_kept():
+    # The layer and its dispatcher read the groups from the ParallelState at call time
+    # (destroy_parallel must be able to free them): none is held in their own attributes.
+    state = init_parallel(1, 2, verbose=False)
+    moe = moe_ref.build(state, k=2)
+    moe(torch.randn(3, moe_ref.D))
+    held = [f"moe.{k}" for k, v in vars(moe).items() if isinstance(v, dist.ProcessGroup)]
+    held += [f"dispatcher.{k}" for k, v in vars(moe.dispatcher).items()
+             if isinstance(v, dist.ProcessGroup) or (isinstance(v, tuple) and any(isinstance(g, dist.ProcessGroup)
+                                                                                   for g in v))]
+    return held, moe.dispatcher.ep_group is state.ep_group
+
+
+def test_layer_and_dispatcher_hold_no_process_group():
+    for held, reads_state in run_ranks(_groups_kept, 2):
+        assert held == [] and reads_state
+
+
 def _nan_tokens(check):
     state = init_parallel(1, 2, verbose=False)
     moe = moe_ref.build(state, k=2, check_finite=check)
