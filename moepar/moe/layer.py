@@ -175,8 +175,10 @@ class MoE(nn.Module):
         error = self._input_error(x)
         if error is None and self.config.check_finite and not bool(torch.isfinite(x).all()):
             error = "check_finite=True: non-finite values in the MoE layer input"
-        world = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        if comm.group_size(world) > 1:
+        # A layer of a one-rank state (ParallelState.single()) stays local even where a
+        # process group exists: it issues no collective at all.
+        world = dist.group.WORLD if self.state.world_size > 1 else None
+        if world is not None:
             rank, size = dist.get_rank(), dist.get_world_size()
             table = torch.zeros(size, 3, dtype=torch.int64)
             table[rank] = torch.tensor([error is not None, int(x.shape[-1]) if x.dim() else -1, dtype_code(x.dtype)])
