@@ -134,7 +134,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
     # Where the difference goes: the dispatcher's local passes alone (permute, unpermute and
     # their backward on the same routes, in the same row order, no communication) and the
     # counts exchange alone.
-    key = ids if meta.blocks is None else (ids % L) * ep + torch.div(ids, L, rounding_mode="floor")
+    key = ids
 
     def passes():
         x_p, _, row_map = permute(x, key, None, E)
