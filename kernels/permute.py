@@ -32,7 +32,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import interpreter, workspace
+from . import interpreter
+from .permute_checks import check_permute_args, check_unpermute_args
 
 try:
     import triton
@@ -177,7 +178,7 @@ def _route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor]
     return counts_E.to(dev), row_map_R.view(T, K), route_N
 
 
-def _inverse_row_map(row_map_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
+def inverse_row_map(row_map_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
     """route_N: the route of each row, -1 for rows no route maps to. No host sync, no
     duplicate scatter indices (dropped routes land in private slots past num_rows)."""
     R = row_map_TK.numel()
@@ -192,9 +193,8 @@ def _inverse_row_map(row_map_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
 # ---- references (plain torch; the path off CUDA) ----------------------------------------
 
 def _gather_reference(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, dense: bool) -> torch.Tensor:
-    if dense:  # every row has a route (dropless): one gather, into a reused buffer
-        out = workspace.empty_like_rows(x_TD, route_N.shape[0])
-        return torch.index_select(x_TD, 0, route_N // K, out=out)
+    if dense:  # every row has a route (dropless): one gather
+        return torch.index_select(x_TD, 0, route_N // K)
     out = x_TD.new_zeros(route_N.shape[0], x_TD.shape[1])
     valid = route_N >= 0
     rows = torch.nonzero(valid).flatten()
@@ -254,7 +254,7 @@ def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Te
     route = route_N.clamp(min=0)
     tok = route // K
     src = grad_TD.to(dtype)
-    grad_y = workspace.empty((N, D), dtype, grad_TD.device)
+    grad_y = torch.empty((N, D), dtype=dtype, device=grad_TD.device)
     dot_N = None if y_ND is None else torch.empty(N, dtype=torch.float32, device=grad_TD.device)
     w_N = weights_TK.reshape(-1).to(torch.float32).index_select(0, route) if weights_TK is not None else None
     step = max(1, _BWD_CHUNK_ELEMS // max(D, 1))
@@ -280,7 +280,7 @@ def permute_reference(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_T
                       num_experts: int, *, capacity: Optional[int] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``permute`` in plain torch (same contract, differentiable through torch autograd)."""
-    _check_permute(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
+    check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
     K = expert_ids_TK.shape[1]
     counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity)
     tok_N = (route_N.clamp(min=0) // K)
@@ -294,7 +294,7 @@ def unpermute_reference(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK
                         num_tokens: int) -> torch.Tensor:
     """``unpermute`` in plain torch (differentiable through torch autograd): a gather of
     [T, K, D] rows and an fp32 weighted sum."""
-    _check_unpermute(y_ND, row_map_TK, weights_TK, num_tokens)
+    check_unpermute_args(y_ND, row_map_TK, weights_TK, num_tokens)
     T, K = row_map_TK.shape
     kept = (row_map_TK >= 0)
     if y_ND.shape[0] == 0:  # nothing kept; stay in the graph so y_ND gets its (empty) grad
@@ -427,7 +427,7 @@ def _unpermute_bwd_op(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], row_m
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_y_ND, grad_weights_TK fp32; empty when y_ND is None)."""
     T, K = row_map_TK.shape
-    route_N = _inverse_row_map(row_map_TK, num_rows)
+    route_N = inverse_row_map(row_map_TK, num_rows)
     if _use_triton(grad_TD, impl):
         grad_w = torch.zeros(T * K, dtype=torch.float32, device=grad_TD.device) if y_ND is not None else None
         scale = weights_TK.reshape(-1).contiguous() if weights_TK is not None else None
@@ -449,51 +449,6 @@ def _(grad_TD, y_ND, row_map_TK, weights_TK, num_rows, dtype, impl):
 
 # ---- public API -------------------------------------------------------------------------------
 
-def _check_permute(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity) -> None:
-    if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2:
-        raise ValueError(f"x_TD must be a 2-D [T, D] tensor, got shape {tuple(getattr(x_TD, 'shape', ()))}")
-    if expert_ids_TK.dim() != 2 or expert_ids_TK.shape[0] != x_TD.shape[0]:
-        raise ValueError(f"expert_ids_TK must be [T={x_TD.shape[0]}, K], got shape {tuple(expert_ids_TK.shape)}")
-    if expert_ids_TK.dtype not in (torch.int64, torch.int32):
-        raise ValueError(f"expert_ids_TK must be int64 or int32, got {expert_ids_TK.dtype}")
-    if expert_ids_TK.shape[1] < 1:
-        raise ValueError("expert_ids_TK must have K >= 1 routes per token")
-    if expert_ids_TK.device != x_TD.device:
-        raise ValueError(f"expert_ids_TK is on {expert_ids_TK.device} but x_TD is on {x_TD.device}")
-    if dropped_TK is not None:
-        if dropped_TK.dtype != torch.bool:
-            raise ValueError(f"dropped_TK must be a bool tensor, got {dropped_TK.dtype}")
-        if dropped_TK.shape != expert_ids_TK.shape:
-            raise ValueError(f"dropped_TK has shape {tuple(dropped_TK.shape)} but expert_ids_TK has "
-                             f"{tuple(expert_ids_TK.shape)}; they must match")
-        if dropped_TK.device != x_TD.device:
-            raise ValueError(f"dropped_TK is on {dropped_TK.device} but x_TD is on {x_TD.device}")
-    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
-        raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
-    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
-        raise ValueError(f"capacity={capacity!r} must be None or an integer >= 0")
-
-
-def _check_unpermute(y_ND, row_map_TK, weights_TK, num_tokens) -> None:
-    if not isinstance(y_ND, torch.Tensor) or y_ND.dim() != 2:
-        raise ValueError(f"y_ND must be a 2-D [N, D] tensor, got shape {tuple(getattr(y_ND, 'shape', ()))}")
-    if row_map_TK.dim() != 2 or row_map_TK.dtype != torch.int64:
-        raise ValueError(f"row_map_TK must be a 2-D int64 [T, K] tensor (from permute), got "
-                         f"{row_map_TK.dtype} of shape {tuple(row_map_TK.shape)}")
-    if row_map_TK.shape[0] != num_tokens:
-        raise ValueError(f"num_tokens={num_tokens} but row_map_TK has {row_map_TK.shape[0]} rows; they must match")
-    if row_map_TK.device != y_ND.device:
-        raise ValueError(f"row_map_TK is on {row_map_TK.device} but y_ND is on {y_ND.device}")
-    if weights_TK is not None:
-        if weights_TK.shape != row_map_TK.shape:
-            raise ValueError(f"weights_TK has shape {tuple(weights_TK.shape)} but row_map_TK has "
-                             f"{tuple(row_map_TK.shape)}; they must match")
-        if not weights_TK.is_floating_point():
-            raise ValueError(f"weights_TK must be floating point (fp32), got {weights_TK.dtype}")
-        if weights_TK.device != y_ND.device:
-            raise ValueError(f"weights_TK is on {weights_TK.device} but y_ND is on {y_ND.device}")
-
-
 def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
             num_experts: int, *, capacity: Optional[int] = None, impl: str = "auto"
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -510,7 +465,7 @@ def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optiona
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    _check_permute(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
+    check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
     return _permute_op(x_TD, expert_ids_TK, dropped_TK, int(num_experts), capacity, impl)
 
 
@@ -524,5 +479,5 @@ def unpermute(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    _check_unpermute(y_ND, row_map_TK, weights_TK, num_tokens)
+    check_unpermute_args(y_ND, row_map_TK, weights_TK, num_tokens)
     return _unpermute_op(y_ND, row_map_TK, weights_TK, int(num_tokens), impl)

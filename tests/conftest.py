@@ -1,12 +1,9 @@
 """Shared test setup: Triton runs in its interpreter on CPU (set before any kernel is
-defined, and inherited by the gloo worker processes), every buffer through the CPU pool,
-few threads, fixed seeds."""
+defined, and inherited by the gloo worker processes), few threads, fixed seeds."""
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
-# Every CPU buffer of moepar's ops, however small, through the reuse pool (kernels/workspace.py),
-# so that any reuse of a buffer still in use would show up as a wrong result somewhere.
-os.environ.setdefault("MOEPAR_CPU_POOL_MIN_BYTES", "0")
+# (tests/__init__.py sends every CPU buffer of moepar's ops through the reuse pool.)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

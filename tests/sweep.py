@@ -19,7 +19,6 @@ with a rank of no tokens; shared experts under SP with unequal slices).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -110,7 +109,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--world", type=int, default=4)
     p.add_argument("--cases", type=int, default=None, help="stop after this many cases")
     args = p.parse_args(argv)
-    os.environ.setdefault("MOEPAR_CPU_POOL_MIN_BYTES", "0")   # small shapes through the pool too
     _, bad = sweep(args.seconds, args.seed, args.world, args.cases)
     return 1 if bad else 0
 

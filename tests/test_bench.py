@@ -155,14 +155,10 @@ def test_routing_and_local_modes_emit_json(tmp_path, capsys):
 
 
 def _dispatch_on_ranks(dedup="auto"):
-    import os
     args = bench_dispatch.parse_args(["--ep", "2", "--configs", TINY, "--layer-config", TINY_SKEW,
-                                      "--rounds", "1", "--warmup", "0"] + (["--no-layer"] if dedup == "1" else []))
-    os.environ["MOEPAR_DEDUP"] = dedup
-    try:
-        return bench_dispatch.run(args)
-    finally:
-        os.environ.pop("MOEPAR_DEDUP")
+                                      "--rounds", "1", "--warmup", "0", "--dedup", dedup]
+                                     + (["--no-layer"] if dedup == "on" else []))
+    return bench_dispatch.run(args)
 
 
 def test_dispatch_bench_on_two_gloo_ranks():
@@ -184,7 +180,7 @@ def test_dispatch_bench_on_two_gloo_ranks():
 def test_dispatch_bench_with_dedup_compares_both_byte_counts():
     # Forced dedup: the identity-expert round trip is still exact, and the row also times the
     # raw calls of one row per route (the bytes without dedup), which the floor is set against.
-    (row,) = run_ranks(_dispatch_on_ranks, 2, "1")[0]["dispatch"]
+    (row,) = run_ranks(_dispatch_on_ranks, 2, "on")[0]["dispatch"]
     assert row["a2a"] == "one, dedup" and row["correct"] is True
     assert row["raw_routes_ms"] > 0 and row["ratio_routes"] == row["dispatch_ms"] / row["raw_routes_ms"]
     assert row["floor_ratio"] == row["floor_ms"] / row["raw_routes_ms"]
@@ -217,11 +213,12 @@ def test_router_cpu_path_ties_go_to_the_lower_index(E, k):
 @pytest.mark.parametrize("activation,bias", [("gelu", False), ("swiglu", True), ("relu", True)])
 @pytest.mark.parametrize("path", ["loop", "grouped_mm", "bmm"])
 def test_experts_in_many_segments_match_per_expert_autograd(monkeypatch, activation, bias, path):
-    from moepar.moe import experts as X
-    monkeypatch.setattr(X, "SEGMENT_BYTES", 1)    # every expert a segment of its own
+    from moepar.moe import cpu, experts_fn
+    from moepar.moe.experts import GroupedExperts
+    monkeypatch.setattr(cpu, "SEGMENT_BYTES", 1)    # every expert a segment of its own
     counts = [3, 0, 7, 1, 0, 5]
-    m = X.GroupedExperts(6, 8, 16, activation, bias, init_seed=3, gemm_path=path)
-    assert len(X._segments(counts, 16 * 4)) == 6
+    m = GroupedExperts(6, 8, 16, activation, bias, init_seed=3, gemm_path=path)
+    assert len(experts_fn.expert_segments(counts, 16 * 4, cpu.SEGMENT_BYTES)) == 6
     x = torch.randn(sum(counts), 8, requires_grad=True)
     g = torch.randn(sum(counts), 8)
     params = list(m.parameters())

@@ -34,36 +34,6 @@ def test_uneven_all_to_all_round_trip_and_gradient(world):
         assert res == (True, True, True, True, 2, 1)
 
 
-def _a2a_blocks_vs_per_block():
-    rank, world = dist.get_rank(), dist.get_world_size()
-    group = dist.group.WORLD
-    # 3 blocks; rank r sends (r + j + b) % 3 rows of block b to rank j (some empty).
-    send = [[(rank + j + b) % 3 for j in range(world)] for b in range(3)]
-    recv = [[(r + rank + b) % 3 for r in range(world)] for b in range(3)]
-    n = sum(map(sum, send))
-    x = (torch.arange(n * 2, dtype=torch.float32).view(n, 2) + 1000 * rank).requires_grad_()
-    w = torch.randn(sum(map(sum, recv)), 2, generator=torch.Generator().manual_seed(rank))
-    with comm.track() as stats:
-        y = comm.all_to_all_blocks(x, group, recv, send)
-        (y * w).sum().backward()
-    # Reference: the plain uneven all-to-all of each block, concatenated.
-    xr = x.detach().clone().requires_grad_()
-    parts, i0 = [], 0
-    for b in range(3):
-        parts.append(comm.all_to_all(xr[i0:i0 + sum(send[b])], group, recv[b], send[b]))
-        i0 += sum(send[b])
-    yr = torch.cat(parts)
-    (yr * w).sum().backward()
-    return (torch.equal(y, yr), torch.equal(x.grad, xr.grad),
-            stats.count("all_to_all", backward=False), stats.count("all_to_all", backward=True))
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_blocked_all_to_all_equals_one_all_to_all_per_block(world):
-    for res in run_ranks(_a2a_blocks_vs_per_block, world):
-        assert res == (True, True, 1, 1)
-
-
 def _region_ops(sizes):
     rank, world = dist.get_rank(), dist.get_world_size()
     g = dist.group.WORLD

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moepar.moe.experts import GroupedExperts, choose_gemm_path
+from moepar.moe.experts import GroupedExperts
+from moepar.moe.gemm import choose_gemm_path
 
 PATHS = ("loop", "grouped_mm", "bmm")
 # torch.nn.functional.grouped_mm is missing from older torch releases (2.8, 2.9): there an
@@ -111,7 +112,7 @@ def test_segment_experts_blocks_in_any_order(activation, bias, segment_bytes, mo
     the float64 per-block reference, untouched experts' weight gradients zero. With a tiny
     SEGMENT_BYTES every block is its own GEMM group, so the per-expert weight gradients
     accumulate across groups."""
-    from moepar.moe import experts as experts_mod
+    from moepar.moe import cpu as experts_mod
     if segment_bytes is not None:
         monkeypatch.setattr(experts_mod, "SEGMENT_BYTES", segment_bytes)
     m = GroupedExperts(4, 8, 12, activation, bias, init_seed=7)

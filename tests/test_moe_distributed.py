@@ -80,66 +80,48 @@ def test_layouts_match_single_process(world, tp, ep, etp):
     _assert_close(run_ranks(_compare, world, tp, ep, etp, VARIANTS))
 
 
-_PATHS = {  # mode: (MOEPAR_BLOCKED_A2A, MOEPAR_SOURCE_MAJOR, SOURCE_MAJOR_MIN_LOCAL, MOEPAR_DEDUP)
-    "blocked": ("1", "1", 8, "0"),          # 2 local experts: blocked wins over source-major
-    "regroup": ("0", "0", 8, "0"),          # one all-to-all + regroup (what NCCL uses)
-    "source": ("0", "1", 8, "0"),           # one all-to-all, rows left source-major
-    "source-over-blocked": ("1", "1", 2, "0"),
-    "dedup": ("1", "1", 8, "1"),            # one row per token and rank (forced), over any other form
+_PATHS = {  # mode: the MoE options that force the token exchange into one form
+    "regroup": dict(cpu_source_major=False, dedup="off"),   # one all-to-all + regroup (what NCCL uses)
+    "source": dict(cpu_source_major=True, dedup="off"),     # one all-to-all, rows left source-major (gloo)
+    "dedup": dict(dedup="on"),                              # one row per token and rank (forced)
 }
-_ENV = ("MOEPAR_BLOCKED_A2A", "MOEPAR_SOURCE_MAJOR", "MOEPAR_DEDUP")
 
 
-def _compare_dispatch_path(mode, *args):
+def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=None, *args):
     """_compare with the token exchange forced into one form (``mode``: a _PATHS key, or a
-    list of keys, one per rank); returns (per-expert calls used, regroup used, dedup used)
+    list of keys, one per rank); returns (source-major used, regroup used, dedup used)
     with _compare's results."""
-    import os
-    from moepar.moe import dispatcher
-    from moepar.parallel import comm
+    from moepar.moe import cpu, dispatcher
     if isinstance(mode, list):
         mode = mode[dist.get_rank()]
-    blocked_env, source_env, min_local, dedup_env = _PATHS[mode]
-    saved_env = {k: os.environ.get(k) for k in _ENV}
-    old = (dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL, comm.all_to_all_blocks,
-           dispatcher._regroup_index, dispatcher.dedup_send)
-    used = {"blocks": [], "regroup": [], "dedup": []}
+    old = (cpu.source_major_segments, dispatcher._regroup_index, dispatcher.dedup_send)
+    used = {"source": [], "regroup": [], "dedup": []}
 
     def counting(key, fn):
         def wrapped(*a, **kw):
             used[key].append(1)
             return fn(*a, **kw)
         return wrapped
-    os.environ.update(MOEPAR_BLOCKED_A2A=blocked_env, MOEPAR_SOURCE_MAJOR=source_env, MOEPAR_DEDUP=dedup_env)
-    dispatcher.BLOCKED_MIN_BLOCK_BYTES = 0          # tiny test tensors: force the blocked form
-    dispatcher.SOURCE_MAJOR_MIN_LOCAL = min_local
-    comm.all_to_all_blocks = counting("blocks", old[2])
-    dispatcher._regroup_index = counting("regroup", old[3])
-    dispatcher.dedup_send = counting("dedup", old[4])
+    cpu.source_major_segments = counting("source", old[0])
+    dispatcher._regroup_index = counting("regroup", old[1])
+    dispatcher.dedup_send = counting("dedup", old[2])
     try:
-        results = _compare(*args)
-        return bool(used["blocks"]), bool(used["regroup"]), bool(used["dedup"]), results
+        results = _compare(tp, ep, etp, variants, uneven, {**(layer_kw or {}), **_PATHS[mode]}, *args)
+        return bool(used["source"]), bool(used["regroup"]), bool(used["dedup"]), results
     finally:
-        (dispatcher.BLOCKED_MIN_BLOCK_BYTES, dispatcher.SOURCE_MAJOR_MIN_LOCAL, comm.all_to_all_blocks,
-         dispatcher._regroup_index, dispatcher.dedup_send) = old
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+        cpu.source_major_segments, dispatcher._regroup_index, dispatcher.dedup_send = old
 
 
 @pytest.mark.parametrize("mode", list(_PATHS))
 @pytest.mark.parametrize("world,tp,ep,etp,uneven", [(4, 1, 2, 1, False), (4, 2, 2, 1, False), (4, 1, 2, 1, True)])
 def test_every_token_exchange_form_matches(mode, world, tp, ep, etp, uneven):
-    # Two local experts per rank on gloo: the blocked all-to-all (forced on for these tiny
-    # tensors), the single all-to-all + regroup, the single all-to-all whose rows the
-    # experts take source-major, and the dedup form (one row per token and rank) must all
-    # equal the single-process layer, also with 5, 0, 3, 7 tokens on the four ranks.
-    # Dedup needs two routes per token (k=2 variants); the others run k=1.
+    # Two local experts per rank on gloo: the single all-to-all + regroup, the single
+    # all-to-all whose rows the experts take source-major, and the dedup form (one row per
+    # token and rank) must all equal the single-process layer, also with 5, 0, 3, 7 tokens
+    # on the four ranks. Dedup needs two routes per token (k=2 variants); the others run k=1.
     variants = VARIANTS[4:] if mode == "dedup" else VARIANTS[:4]
     out = run_ranks(_compare_dispatch_path, world, mode, tp, ep, etp, variants, uneven)
-    assert all(blocks == (mode == "blocked") for blocks, _, _, _ in out)
+    assert all(source == (mode == "source") for source, _, _, _ in out)
     assert all(regrouped == (mode == "regroup") for _, regrouped, _, _ in out)
     assert all(dedup == (mode == "dedup") for _, _, dedup, _ in out)
     _assert_close([r for _, _, _, r in out])
@@ -158,14 +140,13 @@ def test_dedup_with_capacity_drops_and_on_four_ranks(world, tp, ep, etp):
 
 
 def test_one_rank_voting_against_dedup_turns_it_off_everywhere():
-    # Rank 0 sets MOEPAR_DEDUP=0, the others force it (the other switches alike): the group
-    # agrees on no dedup (a rank that sent per-route rows while its peers expected per-token
-    # rows would hang or corrupt).
-    # One EP group of all four ranks (the vote is per EP group).
-    out = run_ranks(_compare_dispatch_path, 4, ["blocked", "dedup", "dedup", "dedup"], 1, 4, 1,
+    # Rank 0 sets dedup="off", the others force it: the group agrees on no dedup (a rank
+    # that sent per-route rows while its peers expected per-token rows would hang or
+    # corrupt). One EP group of all four ranks (the vote is per EP group).
+    out = run_ranks(_compare_dispatch_path, 4, ["source", "dedup", "dedup", "dedup"], 1, 4, 1,
                     VARIANTS[4:6], False, dict(num_experts=8))
     assert not any(dedup for _, _, dedup, _ in out)
-    assert all(blocks for blocks, _, _, _ in out)
+    assert all(source for source, _, _, _ in out)
     _assert_close([r for _, _, _, r in out])
 
 
@@ -253,48 +234,36 @@ def test_collective_counts_are_as_documented(layout, pad, fwd, bwd):
 
 
 def _dedup_collectives():
-    import os
-    os.environ["MOEPAR_DEDUP"] = "1"
-    try:
-        state = init_parallel(1, 2, verbose=False)
-        moe = moe_ref.build(state, k=2, num_experts=8)
-        x, g = moe_ref.replica_input(state.dp_rank, 6)
-        y = moe(x.requires_grad_())
-        (y * g).sum().backward()
-    finally:
-        os.environ.pop("MOEPAR_DEDUP")
+    state = init_parallel(1, 2, verbose=False)
+    moe = moe_ref.build(state, k=2, num_experts=8, dedup="on")
+    x, g = moe_ref.replica_input(state.dp_rank, 6)
+    y = moe(x.requires_grad_())
+    (y * g).sum().backward()
     ev = [(e.nbytes, e.backward) for e in moe.stats.comm.events if e.op == "all_to_all"]
     return ev
 
 
-@pytest.mark.parametrize("modes", [["regroup", "blocked", "source", "blocked"],
-                                   ["source", "source-over-blocked", "blocked", "source"]])
-def test_ranks_with_different_switches_agree_on_one_form(modes):
-    # MOEPAR_BLOCKED_A2A / MOEPAR_SOURCE_MAJOR differ across the ranks of one EP group: the
-    # group takes a form only if every rank allows it (no rank waits in calls its peers never
-    # issue), here the plain all-to-all; each rank's local layout may still differ.
-    out = run_ranks(_compare_dispatch_path, 4, modes, 1, 4, 1, VARIANTS[:2], False, dict(num_experts=8))
-    assert not any(blocks for blocks, _, _, _ in out)
+def test_ranks_with_different_switches_agree_on_one_form():
+    # cpu_source_major differs across the ranks of one EP group: the group takes the
+    # source-major rows only if every rank allows them, here not (each rank regroups).
+    out = run_ranks(_compare_dispatch_path, 4, ["regroup", "source", "source", "source"], 1, 4, 1,
+                    VARIANTS[:2], False, dict(num_experts=8))
+    assert not any(source for source, _, _, _ in out)
+    assert all(regrouped for _, regrouped, _, _ in out)
     _assert_close([r for _, _, _, r in out])
 
 
 def _dedup_and_routes_in(dtype_name):
-    """The same layer and batch with MOEPAR_DEDUP=1 and =0: outputs, input and weight grads."""
-    import os
+    """The same layer and batch with dedup on and off: outputs, input and weight grads."""
     dtype = getattr(torch, dtype_name)
     state = init_parallel(1, 2, verbose=False)
-    moe = moe_ref.build(state, k=2, num_experts=8).to(dtype)
     x, g = moe_ref.replica_input(state.dp_rank, 9, dtype=dtype)
     out, calls = {}, {}
-    for env in ("1", "0"):
-        os.environ["MOEPAR_DEDUP"] = env
-        try:
-            moe.zero_grad()
-            xi = x.clone().requires_grad_()
-            y = moe(xi)
-            (y.float() * g.float()).sum().backward()
-        finally:
-            os.environ.pop("MOEPAR_DEDUP")
+    for env, mode in (("1", "on"), ("0", "off")):
+        moe = moe_ref.build(state, k=2, num_experts=8, dedup=mode).to(dtype)
+        xi = x.clone().requires_grad_()
+        y = moe(xi)
+        (y.float() * g.float()).sum().backward()
         out[env] = [y.detach().float(), xi.grad.float()] + [p.grad.float() for p in moe.parameters()]
         calls[env] = sum(e.op == "all_to_all" and not e.backward for e in moe.stats.comm.events)
     return calls, max(float((a - b).abs().max() / (b.abs().max() + 1e-6)) for a, b in zip(out["1"], out["0"]))
@@ -346,7 +315,7 @@ def _bad_inputs():
     try:  # dtypes differ across ranks
         moe(torch.randn(3, 8, dtype=torch.float32 if dist.get_rank() == 0 else torch.float64))
         errors.append(None)
-    except (ValueError, RuntimeError) as e:
+    except ValueError as e:
         errors.append(str(e))
     try:  # the dispatcher called directly; only rank 1 sends an expert id out of range
         ids = torch.tensor([[0, 1], [2, 7 if dist.get_rank() == 1 else 3]])
@@ -377,37 +346,79 @@ def test_bad_input_raises_on_every_rank():
         assert "k=5" in errors[2]
         assert "hidden=8" in errors[3]
         assert errors[4] is not None and errors[5] is not None, errors
+        assert ("x's last dim is (6,) but the MoE layer has hidden=8" if rank == 1
+                else "MoE forward aborted: rank(s) [1] reported invalid input (see their error); this is rank 0") \
+            in errors[4]
+        assert "the input dtypes ['torch.float32', 'torch.float64'] differ across the ranks" in errors[5]
         for e in errors[6:9:2]:
             assert ("outside [0, num_experts=4)" if rank == 1 else "EP rank(s) [1] reported invalid input") in e
         assert ("weights_TK must be a floating-point tensor of expert_ids_TK's shape (2, 2), got torch.float32 "
                 "of shape (2, 3)" if rank == 1 else "EP rank(s) [1] reported invalid input") in errors[7]
 
 
-def _nan_tokens(check):
-    import os
-    os.environ["MOEPAR_CHECK_FINITE"] = "1" if check else "0"
+def _one_rank_bad_hidden(tp, ep, etp, sp):
+    state = init_parallel(tp, ep, etp, verbose=False)
+    moe = moe_ref.build(state, k=2, num_shared_experts=1, sequence_parallel=sp)
+    x = torch.randn(4, moe_ref.D + (1 if dist.get_rank() == 0 else 0))
     try:
-        state = init_parallel(1, 2, verbose=False)
-        moe = moe_ref.build(state, k=2)
-        x, _ = moe_ref.replica_input(state.dp_rank, 5)
-        if dist.get_rank() == 1:
-            x[2, 3] = float("nan")
-        try:
-            y = moe(x)
-        except ValueError as e:
-            return "raised", str(e)
-        ref = moe_ref.build(None, k=2)
-        y_ref = ref(x)
-        finite_rows = torch.isfinite(x).all(dim=1)
-        ok = torch.allclose(y[finite_rows], y_ref[finite_rows], atol=1e-5)
-        return "ran", (ok, torch.isnan(y[~finite_rows]).all().item() if (~finite_rows).any() else True)
-    finally:
-        os.environ.pop("MOEPAR_CHECK_FINITE", None)
+        moe(x)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.parametrize("world,tp,ep,etp,sp", [(*lay, False) for lay in LAYOUTS] +
+                         [(*lay, True) for lay in LAYOUTS if lay[1] > 1])
+def test_one_rank_with_a_wrong_hidden_size_raises_on_every_rank(world, tp, ep, etp, sp):
+    # Only global rank 0 passes a wrong hidden size. Its EP, ETP, TP (and SP) peers all wait
+    # in later collectives of the forward unless they learn of it first: every rank must
+    # raise, rank 0 with its own error, the others naming rank 0 (a hang fails by timeout).
+    for rank, msg in enumerate(run_ranks(_one_rank_bad_hidden, world, tp, ep, etp, sp)):
+        expected = (f"x's last dim is ({moe_ref.D + 1},) but the MoE layer has hidden={moe_ref.D}" if rank == 0
+                    else f"MoE forward aborted: rank(s) [0] reported invalid input (see their error); this is rank {rank}")
+        assert msg is not None and expected in msg, (rank, msg)
+
+
+def _groups_kept():
+    # The layer and its dispatcher read the groups from the ParallelState at call time
+    # (destroy_parallel must be able to free them): none is held in their own attributes.
+    state = init_parallel(1, 2, verbose=False)
+    moe = moe_ref.build(state, k=2)
+    moe(torch.randn(3, moe_ref.D))
+    held = [f"moe.{k}" for k, v in vars(moe).items() if isinstance(v, dist.ProcessGroup)]
+    held += [f"dispatcher.{k}" for k, v in vars(moe.dispatcher).items()
+             if isinstance(v, dist.ProcessGroup) or (isinstance(v, tuple) and any(isinstance(g, dist.ProcessGroup)
+                                                                                   for g in v))]
+    return held, moe.dispatcher.ep_group is state.ep_group
+
+
+def test_layer_and_dispatcher_hold_no_process_group():
+    for held, reads_state in run_ranks(_groups_kept, 2):
+        assert held == [] and reads_state
+
+
+def _nan_tokens(check):
+    state = init_parallel(1, 2, verbose=False)
+    moe = moe_ref.build(state, k=2, check_finite=check)
+    x, _ = moe_ref.replica_input(state.dp_rank, 5)
+    if dist.get_rank() == 1:
+        x[2, 3] = float("nan")
+    try:
+        y = moe(x)
+    except ValueError as e:
+        return "raised", str(e)
+    ref = moe_ref.build(None, k=2)
+    y_ref = ref(x)
+    finite_rows = torch.isfinite(x).all(dim=1)
+    ok = torch.allclose(y[finite_rows], y_ref[finite_rows], atol=1e-5)
+    return "ran", (ok, torch.isnan(y[~finite_rows]).all().item() if (~finite_rows).any() else True)
 
 
 def test_nonfinite_input_raises_in_debug_mode_else_stays_on_its_token():
-    for kind, msg in run_ranks(_nan_tokens, 2, True):
-        assert kind == "raised" and "non-finite" in msg
+    for rank, (kind, msg) in enumerate(run_ranks(_nan_tokens, 2, True)):
+        assert kind == "raised"
+        assert ("check_finite=True: non-finite values in the MoE layer input" if rank == 1
+                else "MoE forward aborted: rank(s) [1] reported invalid input") in msg, msg
     for kind, (others_ok, nan_row_nan) in run_ranks(_nan_tokens, 2, False):
         assert kind == "ran" and others_ok and nan_row_nan
 

@@ -163,3 +163,54 @@ def test_bad_inputs_single_process():
         moe(torch.ones(3, D, dtype=torch.long))
     with pytest.raises(ValueError, match="aux_loss_scope"):
         _layer(aux_loss_scope="everywhere")
+
+
+def test_config_and_keyword_options_build_the_same_layer():
+    # Keyword options fill MoEConfig (layer fields) or its RouterConfig (router fields), by
+    # name; a config passed whole gives the same layer and the same numbers.
+    kw = dict(k=2, ffn_hidden=FF, activation="swiglu", capacity_factor=2.0, z_loss_coeff=1e-3,
+              dedup="off", init_seed=5)
+    a = MoE(D, E, 1, state=ParallelState.single(), **kw)
+    cfg = moepar.MoEConfig(D, E, 1, ffn_hidden=FF, activation="swiglu", dedup="off", init_seed=5,
+                           router=moepar.RouterConfig(D, E, k=2, capacity_factor=2.0, z_loss_coeff=1e-3,
+                                                      nonfinite="propagate"))
+    b = MoE(D, E, 1, config=cfg, state=ParallelState.single())
+    assert a.config == b.config
+    assert a.config.router.capacity_factor == 2.0 and a.config.router.k == 2 and a.config.dedup == "off"
+    x = torch.randn(7, D)
+    assert torch.equal(a(x), b(x))
+    # A router field MoE never spelt out (noise_eps) works through MoE(...) as well, and a
+    # keyword given with a config replaces that field only.
+    c = MoE(D, E, 1, config=cfg, noise_eps=0.05, activation="gelu", state=ParallelState.single())
+    assert c.config.router.noise_eps == 0.05 and c.config.router.capacity_factor == 2.0
+    assert c.config.activation == "gelu" and c.config.dedup == "off"
+    assert MoE(D, E, 1, use_kernels=False, state=ParallelState.single()).config.router.use_kernel is False
+    with pytest.raises(Exception):   # frozen
+        cfg.dedup = "on"
+
+
+def test_config_errors_name_the_option_and_the_rule():
+    single = ParallelState.single()
+    with pytest.raises(ValueError, match=r"unknown MoE option 'capacity'; valid options: \[.*'capacity_factor'"):
+        MoE(D, E, 1, capacity=1.0, state=single)
+    with pytest.raises(ValueError, match=r"dedup='yes' must be one of \('off', 'auto', 'on'\)"):
+        MoE(D, E, 1, dedup="yes", state=single)
+    with pytest.raises(ValueError, match="num_experts=5 is not divisible by ep_size=2"):
+        moepar.MoEConfig(D, 5, 2)
+    with pytest.raises(ValueError, match=r"ffn_hidden=10 is not divisible by expert_tensor_parallel_size=4"):
+        moepar.MoEConfig(D, E, 1, ffn_hidden=10, expert_tensor_parallel_size=4)
+    with pytest.raises(ValueError, match=r"router has hidden=16, num_experts=4 but the layer hidden=8"):
+        moepar.MoEConfig(D, E, router=moepar.RouterConfig(16, E))
+    with pytest.raises(ValueError, match=r"disagrees with config \(hidden=8, num_experts=4, ep_size=1\)"):
+        MoE(D, 8, 1, config=moepar.MoEConfig(D, E), state=single)
+    with pytest.raises(ValueError, match="check_finite=1 must be True or False"):
+        moepar.MoEConfig(D, E, check_finite=1)
+
+
+def test_check_finite_raises_on_one_process_too():
+    moe = _layer(check_finite=True)
+    x = torch.randn(3, D)
+    x[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="check_finite=True: non-finite values in the MoE layer input"):
+        moe(x)
+    assert torch.isinf(_layer()(x)[1]).any() or torch.isnan(_layer()(x)[1]).any()

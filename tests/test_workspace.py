@@ -1,12 +1,12 @@
-"""The CPU buffer pool (moepar_kernels.workspace): a buffer is handed out again only when
+"""The CPU buffer pool (moepar.moe.cpu): a buffer is handed out again only when
 nothing else references its storage (tensors, views, tensors saved for backward), sizes
 and eviction, and the MoE layer's results unchanged by reuse across steps."""
 import pytest
 import torch
 
 from moepar.moe.layer import MoE
-from moepar_kernels import workspace
-from moepar_kernels.workspace import CpuBufferPool
+from moepar.moe import cpu as workspace
+from moepar.moe.cpu import CpuBufferPool
 
 MiB = 1 << 20
 
@@ -84,26 +84,25 @@ def test_public_names_release_the_pool():
 
 
 def test_module_level_empty_small_and_disabled(monkeypatch):
-    monkeypatch.setattr(workspace, "MIN_BYTES", MiB)
+    monkeypatch.setattr(workspace.POOL, "min_bytes", MiB)
     before = workspace.stats()["misses"] + workspace.stats()["hits"]
     small = workspace.empty((10, 10), torch.float32)
     assert small.shape == (10, 10)
     assert workspace.stats()["misses"] + workspace.stats()["hits"] == before
-    monkeypatch.setenv("MOEPAR_CPU_BUFFER_POOL", "0")
-    workspace.empty((MiB,), torch.float32)
+    with workspace.pool_disabled():
+        workspace.empty((MiB,), torch.float32)
     assert workspace.stats()["misses"] + workspace.stats()["hits"] == before
-    monkeypatch.delenv("MOEPAR_CPU_BUFFER_POOL")
     workspace.empty((MiB,), torch.float32)
     assert workspace.stats()["misses"] + workspace.stats()["hits"] == before + 1
 
 
-@pytest.mark.parametrize("pool", ["1", "0"])
+@pytest.mark.parametrize("pool", [True, False])
 def test_layer_outputs_and_grads_survive_later_steps(monkeypatch, pool):
     """Step 1's output and gradients, still held, are unchanged by steps 2 and 3 (which
     would reuse their buffers if the pool ignored live references), and every step
     equals the same step with the pool off."""
-    monkeypatch.setenv("MOEPAR_CPU_BUFFER_POOL", pool)
-    monkeypatch.setattr(workspace, "MIN_BYTES", 0)
+    monkeypatch.setattr(workspace.POOL, "enabled", pool)
+    monkeypatch.setattr(workspace.POOL, "min_bytes", 0)
     torch.manual_seed(0)
     moe = MoE(32, 4, 1, k=2, ffn_hidden=48, init_seed=3)
     xs = [torch.randn(64, 32, requires_grad=True) for _ in range(3)]
@@ -114,47 +113,36 @@ def test_layer_outputs_and_grads_survive_later_steps(monkeypatch, pool):
         outs.append((y, gx, gw1, y.detach().clone(), gx.clone(), gw1.clone()))
     for y, gx, gw1, y0, gx0, gw10 in outs:
         assert torch.equal(y.detach(), y0) and torch.equal(gx, gx0) and torch.equal(gw1, gw10)
-    monkeypatch.setenv("MOEPAR_CPU_BUFFER_POOL", "0")
-    y = moe(xs[1])
+    with workspace.pool_disabled():
+        y = moe(xs[1])
     torch.testing.assert_close(y, outs[1][0], rtol=0, atol=0)
 
 
-_EXCHANGE = {"blocked": ("1", "1"), "source-major": ("0", "1"), "regroup": ("0", "0")}
+_EXCHANGE = {"source-major": True, "regroup": False}
 
 
 def _ep_steps_hold_outputs(mode: str):
     """ep=2 layer, three steps whose outputs and input gradients are all kept: with the
     pool (every buffer pooled) each equals the same step with the pool off."""
-    import os
-
     from moepar.parallel import init_parallel
-    os.environ["MOEPAR_BLOCKED_A2A"], os.environ["MOEPAR_SOURCE_MAJOR"] = _EXCHANGE[mode]
-    from moepar.moe import dispatcher
-    saved_min = dispatcher.BLOCKED_MIN_BLOCK_BYTES
-    dispatcher.BLOCKED_MIN_BLOCK_BYTES = 0          # tiny shapes: still take the blocked form
-    try:
-        state = init_parallel(1, 2, verbose=False)
-        moe = MoE(16, 8, 2, k=2, ffn_hidden=24, init_seed=5, state=state)
-        gen = torch.Generator().manual_seed(state.ep_rank)
-        xs = [torch.randn(20 + 7 * i, 16, generator=gen).requires_grad_(True) for i in range(3)]
-        held = []
-        for x in xs:
-            y = moe(x)
-            (gx,) = torch.autograd.grad(y.square().sum(), [x])
-            held.append((y, gx, y.detach().clone(), gx.clone()))
-        same = all(torch.equal(y.detach(), y0) and torch.equal(gx, gx0) for y, gx, y0, gx0 in held)
-        os.environ["MOEPAR_CPU_BUFFER_POOL"] = "0"
-        diffs = []
+    state = init_parallel(1, 2, verbose=False)
+    moe = MoE(16, 8, 2, k=2, ffn_hidden=24, init_seed=5, state=state, dedup="off",
+              cpu_source_major=_EXCHANGE[mode])
+    gen = torch.Generator().manual_seed(state.ep_rank)
+    xs = [torch.randn(20 + 7 * i, 16, generator=gen).requires_grad_(True) for i in range(3)]
+    held = []
+    for x in xs:
+        y = moe(x)
+        (gx,) = torch.autograd.grad(y.square().sum(), [x])
+        held.append((y, gx, y.detach().clone(), gx.clone()))
+    same = all(torch.equal(y.detach(), y0) and torch.equal(gx, gx0) for y, gx, y0, gx0 in held)
+    diffs = []
+    with workspace.pool_disabled():
         for x, (y, gx, _, _) in zip(xs, held):
             y2 = moe(x)
             (gx2,) = torch.autograd.grad(y2.square().sum(), [x])
             diffs.append(max(float((y2 - y).abs().max()), float((gx2 - gx).abs().max())))
-        return same, max(diffs), workspace.stats()["hits"] > 0
-    finally:
-        os.environ.pop("MOEPAR_CPU_BUFFER_POOL", None)
-        os.environ.pop("MOEPAR_BLOCKED_A2A", None)
-        os.environ.pop("MOEPAR_SOURCE_MAJOR", None)
-        dispatcher.BLOCKED_MIN_BLOCK_BYTES = saved_min
+    return same, max(diffs), workspace.stats()["hits"] > 0
 
 
 @pytest.mark.parametrize("mode", list(_EXCHANGE))

@@ -70,8 +70,8 @@ def release_free_heap() -> None:
     import ctypes
     import gc
 
-    from moepar_kernels import workspace
-    workspace.release()
+    from moepar.moe import cpu
+    cpu.release()
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)

@@ -8,9 +8,9 @@ For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp 
 
 * **dispatch + combine**: the real ``Dispatcher`` forward and backward with identity experts,
   as the MoE layer calls it (``source_major=True``: its experts take the rows source-major)
-  (permute, the counts all-to-all, the token all-to-all S*D*b — on gloo one call per local
-  expert for 2-7 local experts, else one call whose rows stay source-major; with NCCL one
-  call and a local regroup; with dedup (``MOEPAR_DEDUP``, see the dispatcher) one row per
+  (permute, the counts all-to-all, the token all-to-all S*D*b — on gloo one call whose rows
+  stay source-major (``--source-major off``: a local regroup); with NCCL one call and a
+  local regroup; with dedup (``--dedup``, see the dispatcher) one row per
   token and destination rank plus a small side all-to-all; column "a2a" — the
   inverse of each on the way back, the weighted unpermute; backward: 2 token all-to-alls,
   gradients to x and to the routing weights), i.e. 4 token all-to-alls + 1 counts exchange;
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from moepar.tables import format_table
 from moepar.bench.common import grad_step, keep_freed_memory
 from moepar.bench.layer import parse_config, skew_input_shift, zipf_input_shift
-from moepar.bench.local import _machine, random_routes
+from moepar.bench.local import machine, random_routes
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status
 from moepar.moe.dispatcher import dedup_expand, dedup_send
 from moepar.moe.layer import MoE
@@ -82,12 +82,13 @@ def _timed_rounds(fns: dict, rounds: int, warmup: int) -> dict[str, float]:
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> dict:
+def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedup: str = "auto",
+                   source_major: bool = True) -> dict:
     """Dispatcher forward + backward vs the same 4 raw all-to-alls, for one config shape."""
     cfg = parse_config(cfg_name)
     T, D, E, K = cfg.T, cfg.D, cfg.E, cfg.K
     rank = dist.get_rank()
-    moe = MoE(D, E, ep, k=K, ffn_hidden=8, init_seed=1, state=state)   # only its dispatcher is used
+    moe = MoE(D, E, ep, k=K, ffn_hidden=8, init_seed=1, state=state, dedup=dedup)   # only its dispatcher is used
     disp = moe.dispatcher
     ids, w = random_routes(T, E, K, "cpu", seed=100 + rank)
     gen = torch.Generator().manual_seed(rank)
@@ -96,7 +97,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
     g = torch.randn(T, D, generator=gen)
 
     def dispatch_combine():
-        x_local, meta = disp.dispatch(x, ids, None, w, None, source_major=True)
+        x_local, meta = disp.dispatch(x, ids, None, w, None, source_major=source_major)
         y = disp.combine(x_local, meta)                  # identity experts
         return torch.autograd.grad(y, [x, w], g), y
 
@@ -105,7 +106,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
     ok = bool(torch.allclose(y, x * w.sum(1, keepdim=True), atol=1e-5)
               and torch.allclose(gx, g * w.sum(1, keepdim=True), atol=1e-5)
               and torch.allclose(gw, (g * x).sum(1, keepdim=True).expand_as(w), atol=1e-4))
-    _, meta = disp.dispatch(x.detach(), ids, None, w.detach(), None, source_major=True)
+    _, meta = disp.dispatch(x.detach(), ids, None, w.detach(), None, source_major=source_major)
     send, recv = list(meta.send_splits), list(meta.recv_splits)
     group = state.ep_group
     L = E // ep
@@ -133,7 +134,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
     # Where the difference goes: the dispatcher's local passes alone (permute, unpermute and
     # their backward on the same routes, in the same row order, no communication) and the
     # counts exchange alone.
-    key = ids if meta.blocks is None else (ids % L) * ep + torch.div(ids, L, rounding_mode="floor")
+    key = ids
 
     def passes():
         x_p, _, row_map = permute(x, key, None, E)
@@ -178,7 +179,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
         """The floor plus what every MoE dispatch + combine also does: the counts exchange,
         the weighted sum, the gradient rows scaled by the weights, and the weights' gradient
         <g_t, y_tk> (one more read of the returned rows)."""
-        disp._exchange_counts(zeros_E, D, x.dtype, None, None)
+        disp.counts_all_to_all(zeros_E, D, x.dtype, None, None)
         fl_send.view(T, K, D).copy_(xd[:, None, :].expand(T, K, D))
         there_and_back()
         F.embedding_bag(bags, fl_back, mode="sum", per_sample_weights=w_TK)
@@ -191,7 +192,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
 
     fns = {"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw,
            "passes": passes if meta.dedup is None else passes_dedup,
-           "counts": lambda: disp._exchange_counts(zeros_E, D, x.dtype, None, None), "floor": floor,
+           "counts": lambda: disp.counts_all_to_all(zeros_E, D, x.dtype, None, None), "floor": floor,
            "floor, MoE": floor_moe}
     if meta.dedup is not None:   # also the raw calls of one row per route, the bytes without dedup
         fns["raw, one row per route"] = raw_calls(send_r, recv_r)
@@ -209,17 +210,19 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int) -> d
             "passes_ms": secs["passes"], "counts_ms": secs["counts"],
             "floor_ms": secs["floor"], "floor_ratio": secs["floor"] / raw_routes_ms,
             "floor_moe_ms": secs["floor, MoE"], "floor_moe_ratio": secs["floor, MoE"] / raw_routes_ms,
-            "a2a": "per local expert" if meta.blocks is not None else "one + regroup" if meta.regroup is not None
+            "a2a": "one + regroup" if meta.regroup is not None
             else "one, source-major" if meta.segment_experts is not None
             else "one, dedup" if meta.dedup is not None else "one"}
 
 
-def bench_layer_step(cfg_name: str, ep: int, state, rounds: int, warmup: int, tokens: int | None) -> dict:
+def bench_layer_step(cfg_name: str, ep: int, state, rounds: int, warmup: int, tokens: int | None,
+                     dedup: str = "auto", source_major: bool = True) -> dict:
     """moepar's whole layer step vs DeepSpeed's (drop_tokens=False) with skewed routing."""
     cfg = parse_config(cfg_name)
     T = tokens or cfg.T
     rank = dist.get_rank()
-    moe = MoE(cfg.D, cfg.E, ep, k=cfg.K, ffn_hidden=cfg.F, init_seed=1, state=state)
+    moe = MoE(cfg.D, cfg.E, ep, k=cfg.K, ffn_hidden=cfg.F, init_seed=1, state=state, dedup=dedup,
+              cpu_source_major=source_major)
     gen = torch.Generator().manual_seed(1000 + rank)
     x = torch.randn(T, cfg.D, generator=gen)
     g = torch.randn(T, cfg.D, generator=gen)
@@ -262,6 +265,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--malloc", default="default", choices=("default", "keep"),
                    help="keep: glibc keeps freed memory mapped (no page faults on fresh buffers at every "
                         "step, as with jemalloc/tcmalloc); default: the allocator as it is")
+    p.add_argument("--dedup", default="auto", choices=("off", "auto", "on"),
+                   help="the layer's dedup option (one row per token and destination rank)")
+    p.add_argument("--source-major", default="on", choices=("on", "off"),
+                   help="the layer's cpu_source_major option (off: always regroup the received rows)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -279,8 +286,8 @@ def run(args: argparse.Namespace) -> dict:
     own_group = not dist.is_initialized()
     if own_group:
         if "RANK" not in os.environ:   # alone: a world of one
-            from moepar.bench.peers import _free_port
-            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+            from moepar.bench.peers import free_port
+            os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         dist.init_process_group("gloo")
     world = dist.get_world_size()
     if getattr(args, "malloc", "default") == "keep" and not keep_freed_memory():
@@ -291,14 +298,16 @@ def run(args: argparse.Namespace) -> dict:
         state = groups.init_parallel(expert_parallel_size=ep, verbose=False)
         try:
             if ep > 1:
-                rows += [bench_dispatch(c, ep, state, args.rounds, args.warmup)
+                rows += [bench_dispatch(c, ep, state, args.rounds, args.warmup, getattr(args, "dedup", "auto"),
+                                        getattr(args, "source_major", "on") == "on")
                          for c in args.configs.split(",") if c]
             if not args.no_layer:
                 layer_rows.append(bench_layer_step(args.layer_config, ep, state, args.rounds, args.warmup,
-                                                   args.layer_tokens))
+                                                   args.layer_tokens, getattr(args, "dedup", "auto"),
+                                                   getattr(args, "source_major", "on") == "on"))
         finally:
             groups.reset_parallel_state()
-    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
+    out = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
            "torch": torch.__version__, "world": world, "backend": dist.get_backend(),
            "threads": torch.get_num_threads(), "malloc": getattr(args, "malloc", "default"), "dispatch": rows, "layer": layer_rows}
     dist.barrier()

@@ -32,8 +32,8 @@ import torch
 from moepar.tables import format_table
 from moepar.bench.common import (grad_step, keep_freed_memory, matmul_gflops, run_in_fresh_process,
                                  step_peak_bytes)
-from moepar.bench.local import (_DTYPES, _autograd_grouped_mm, _autograd_loop, _loadavg, _machine, _path_ok,
-                                _rounds, expert_flops)
+from moepar.bench.local import (DTYPES, autograd_grouped_mm, autograd_loop, loadavg, machine, path_ok,
+                                timed_rounds, expert_flops)
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status, megatron_status
 from moepar.bench.reference_moe import ReferenceMoE
 from moepar.moe.layer import MoE
@@ -64,8 +64,8 @@ class LayerConfig:
         if self.skew is not None and not 1.0 <= self.skew <= self.E / self.K:
             raise ValueError(f"skew={self.skew} must lie in [1, E/K={self.E / self.K:g}] (a token picks an "
                              f"expert at most once)")
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(_DTYPES)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
 
 
 _A = LayerConfig(4096, 512, 2048, 8, 2, floor_limit=1.10, peer_limit=1.0)
@@ -82,7 +82,7 @@ def parse_config(spec: str) -> LayerConfig:
     if spec in CONFIGS:
         return CONFIGS[spec]
     parts = spec.split(":")
-    dtype = parts.pop() if parts and parts[-1] in _DTYPES else "fp32"
+    dtype = parts.pop() if parts and parts[-1] in DTYPES else "fp32"
     try:
         T, D, Fh, E, K = (int(v) for v in parts[:5])
         skew = float(parts[5]) if len(parts) == 6 else None
@@ -146,7 +146,7 @@ class LayerCase:
 
     def __init__(self, name: str, cfg: LayerConfig, device: torch.device, seed: int = 0):
         self.name, self.cfg, self.device = name, cfg, device
-        self.dtype = _DTYPES[cfg.dtype]
+        self.dtype = DTYPES[cfg.dtype]
         torch.manual_seed(seed)
         self.moe = MoE(cfg.D, cfg.E, k=cfg.K, ffn_hidden=cfg.F, init_seed=1, dtype=self.dtype,
                        state=ParallelState.single()).to(device)
@@ -189,17 +189,17 @@ class LayerCase:
             return make
 
         for path in ("loop", "grouped_mm", "bmm"):
-            if _path_ok(m, path, self.x_ND, self.counts):
+            if path_ok(m, path, self.x_ND, self.counts):
                 out[f"{FLOOR_PREFIX}experts[{path}]"] = floor_path(path)
-        if _path_ok(m, "grouped_mm", self.x_ND, self.counts):
+        if path_ok(m, "grouped_mm", self.x_ND, self.counts):
             def make_gmm():
                 offs = torch.cumsum(torch.tensor(self.counts, device=self.device), 0).to(torch.int32)
-                return lambda: torch.autograd.grad(_autograd_grouped_mm(self.x_ND, offs, m),
+                return lambda: torch.autograd.grad(autograd_grouped_mm(self.x_ND, offs, m),
                                                    [self.x_ND] + list(m.parameters()), self.g_ND)
             out[f"{FLOOR_PREFIX}autograd F.grouped_mm"] = make_gmm
         if self.cfg.E <= 16:   # one small graph per expert: only worth timing for few experts
             out[f"{FLOOR_PREFIX}autograd per-expert loop"] = lambda: (
-                lambda: torch.autograd.grad(_autograd_loop(self.x_ND, self.counts, m),
+                lambda: torch.autograd.grad(autograd_loop(self.x_ND, self.counts, m),
                                             [self.x_ND] + list(m.parameters()), self.g_ND))
 
         def module_step(build):
@@ -244,11 +244,11 @@ def bench_config(name: str, cfg: LayerConfig, device: torch.device, rounds: int,
     # compares runs that saw the same machine and the same heap (the reference's GiB-sized
     # buffers would otherwise disturb the floor's and moepar's page-fault counts).
     floor_group = {k: v for k, v in steps.items() if k.startswith(FLOOR_PREFIX) or k == MOEPAR}
-    secs, faults = _rounds(floor_group, rounds, warmup, device, clock)
+    secs, faults = timed_rounds(floor_group, rounds, warmup, device, clock)
     pair_moepar: dict[str, float] = {}
     for other in (DEEPSPEED, REFERENCE):
         if other in steps:
-            t, f = _rounds({MOEPAR: steps[MOEPAR], other: steps[other]}, rounds, warmup, device, clock)
+            t, f = timed_rounds({MOEPAR: steps[MOEPAR], other: steps[other]}, rounds, warmup, device, clock)
             secs[other], pair_moepar[other], faults[other] = t[other], t[MOEPAR], f[other]
     floor_name = min((k for k in secs if k.startswith(FLOOR_PREFIX)), key=secs.get)
     floor_s = secs[floor_name]
@@ -343,9 +343,9 @@ def run(args: argparse.Namespace) -> dict:
     device = args.device
     if args.malloc == "keep" and not keep_freed_memory():
         raise SystemExit("--malloc keep needs glibc's mallopt")
-    out: dict = {"malloc": args.malloc, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": _machine(),
+    out: dict = {"malloc": args.malloc, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                  "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
-                 "clock": args.clock, "load_avg_1min": _loadavg(), "deepspeed": deepspeed_status()[1],
+                 "clock": args.clock, "load_avg_1min": loadavg(), "deepspeed": deepspeed_status()[1],
                  "megatron": megatron_status()[1], "bf16_native": args.bf16[1]}
     on_cuda = device.type == "cuda"
     matmul = None if args.no_matmul else matmul_gflops(8192 if on_cuda else 4096,

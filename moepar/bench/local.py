@@ -36,7 +36,7 @@ CONFIGS = {
     "A": (4096, 512, 2048, 8, 2, 1.10),
     "B": (4096, 256, 256, 64, 8, 1.30),
 }
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def random_routes(T: int, E: int, K: int, device, seed: int = 0):
@@ -59,7 +59,7 @@ def _act(h1, h3, activation):
     return F.gelu(h1) if activation == "gelu" else F.relu(h1)
 
 
-def _autograd_loop(x_ND, counts, m: GroupedExperts):
+def autograd_loop(x_ND, counts, m: GroupedExperts):
     """Plain autograd, one small graph per expert, outputs concatenated (a per-expert
     nn.Linear MoE's structure)."""
     outs, s = [], 0
@@ -71,12 +71,12 @@ def _autograd_loop(x_ND, counts, m: GroupedExperts):
     return torch.cat(outs)
 
 
-def _autograd_grouped_mm(x_ND, offs, m: GroupedExperts):
+def autograd_grouped_mm(x_ND, offs, m: GroupedExperts):
     h3 = F.grouped_mm(x_ND, m.w3, offs=offs) if m.w3 is not None else None
     return F.grouped_mm(_act(F.grouped_mm(x_ND, m.w1, offs=offs), h3, m.activation), m.w2, offs=offs)
 
 
-def _rounds(fns: dict, rounds: int, warmup: int, device, clock: str = "wall"
+def timed_rounds(fns: dict, rounds: int, warmup: int, device, clock: str = "wall"
             ) -> tuple[dict[str, float], dict[str, float]]:
     """(median seconds, median minor page faults) per candidate; candidates interleaved within each round. ``clock``
     "cpu" counts this process's CPU seconds (all threads, user + system) instead of wall
@@ -130,7 +130,7 @@ def bench_config(name: str, T: int, D: int, Fh: int, E: int, K: int, dtype, devi
     offs = torch.cumsum(counts_E, 0).to(torch.int32)
 
     def floor_fn(path):
-        if not _path_ok(m, path, xr, counts):
+        if not path_ok(m, path, xr, counts):
             return None
 
         def run():
@@ -139,11 +139,11 @@ def bench_config(name: str, T: int, D: int, Fh: int, E: int, K: int, dtype, devi
         return run
 
     def autograd_fn(kind):
-        if kind == "grouped_mm" and not _path_ok(m, "grouped_mm", xr, counts):
+        if kind == "grouped_mm" and not path_ok(m, "grouped_mm", xr, counts):
             return None
 
         def run():
-            y = _autograd_loop(xr, counts, m) if kind == "loop" else _autograd_grouped_mm(xr, offs, m)
+            y = autograd_loop(xr, counts, m) if kind == "loop" else autograd_grouped_mm(xr, offs, m)
             torch.autograd.grad(y, [xr] + weights, g_ND)
         return run
 
@@ -158,7 +158,7 @@ def bench_config(name: str, T: int, D: int, Fh: int, E: int, K: int, dtype, devi
     fns["autograd F.grouped_mm"] = autograd_fn("grouped_mm")
     fns = {k: v for k, v in fns.items() if v is not None}
     fns["local path (auto)"] = local
-    secs, faults = _rounds(fns, rounds, warmup, device, clock)
+    secs, faults = timed_rounds(fns, rounds, warmup, device, clock)
     m.gemm_path = "auto"
     auto_path = m.resolve_gemm_path(xr, counts)
     floor_name = min((k for k in secs if k != "local path (auto)"), key=secs.get)
@@ -171,7 +171,7 @@ def bench_config(name: str, T: int, D: int, Fh: int, E: int, K: int, dtype, devi
             "ratio": secs["local path (auto)"] / secs[floor_name], "rows": rows}
 
 
-def _path_ok(m: GroupedExperts, path: str, x, counts) -> bool:
+def path_ok(m: GroupedExperts, path: str, x, counts) -> bool:
     saved = m.gemm_path
     m.gemm_path = path
     try:
@@ -208,8 +208,8 @@ def bench_sweep(dtype, device, activation: str, rounds: int, warmup: int, clock:
                 m.gemm_path = path
                 torch.autograd.grad(m(x, counts), [x] + params, g)
             return fn
-        fns = {p: run(p) for p in ("loop", "grouped_mm", "bmm") if _path_ok(m, p, x, counts)}
-        secs, _ = _rounds(fns, rounds, warmup, device, clock)
+        fns = {p: run(p) for p in ("loop", "grouped_mm", "bmm") if path_ok(m, p, x, counts)}
+        secs, _ = timed_rounds(fns, rounds, warmup, device, clock)
         m.gemm_path = "auto"
         flops = expert_flops(N, D, Fh, activation)
         row = {"E": E, "rows/expert": per, "max/mean": max(counts) * E / N, "D": D, "F": Fh}
@@ -233,14 +233,14 @@ def bench_bandwidth(T: int, D: int, K: int, E: int, dtype, rounds: int, device="
     src = torch.empty_like(x_ND)
     dst = torch.empty_like(x_ND)
     from moepar_kernels import permute as pk
-    route_N = pk._inverse_row_map(row_map, N)
+    route_N = pk.inverse_row_map(row_map, N)
     fns = {
         "copy N*D": lambda: dst.copy_(src),
         "permute (whole op)": lambda: permute(x_TD, ids, None, E, impl="triton"),
         "permute gather kernel": lambda: pk._gather(x_TD, route_N, K, dtype),
         "unpermute (weighted combine)": lambda: unpermute(x_ND, row_map, w_TK, T, impl="triton"),
     }
-    secs, _ = _rounds(fns, rounds, 3, dev)
+    secs, _ = timed_rounds(fns, rounds, 3, dev)
     moved = {"copy N*D": 2 * N * D * item, "permute (whole op)": 2 * N * D * item,
              "permute gather kernel": 2 * N * D * item,
              "unpermute (weighted combine)": (N + T) * D * item}
@@ -251,14 +251,14 @@ def bench_bandwidth(T: int, D: int, K: int, E: int, dtype, rounds: int, device="
             "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)}
 
 
-def _loadavg() -> float | None:
+def loadavg() -> float | None:
     try:
         return os.getloadavg()[0]
     except OSError:
         return None
 
 
-def _machine() -> str:
+def machine() -> str:
     """CPU model and core count (and the GPU when there is one)."""
     model = platform.processor() or platform.machine()
     try:
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moepar bench local", description=__doc__.split("\n\n")[0])
     p.add_argument("--configs", default="A,B",
                    help="comma list of " + ",".join(CONFIGS) + " or custom T:D:F:E:K specs")
-    p.add_argument("--dtype", default="fp32", choices=sorted(_DTYPES))
+    p.add_argument("--dtype", default="fp32", choices=sorted(DTYPES))
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--activation", default="gelu", choices=("gelu", "swiglu", "relu"))
     p.add_argument("--rounds", type=int, default=5)
@@ -304,11 +304,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = _DTYPES[args.dtype]
+    dtype = DTYPES[args.dtype]
     device = torch.device(args.device)
-    out: dict = {"date": time.strftime("%Y-%m-%d"), "machine": _machine(),
+    out: dict = {"date": time.strftime("%Y-%m-%d"), "machine": machine(),
                  "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
-                 "dtype": args.dtype, "clock": args.clock, "load_avg_1min": _loadavg()}
+                 "dtype": args.dtype, "clock": args.clock, "load_avg_1min": loadavg()}
     peak = None if args.no_matmul else matmul_gflops(4096, dtype, str(device))
     out["matmul_gflops"] = peak
     results = []

@@ -58,7 +58,7 @@ def megatron_status() -> tuple[bool, str]:
     return False, f"megatron.core {version} imports; no adapter is wired yet (not run)"
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -71,7 +71,7 @@ def ensure_process_group() -> None:
     ds = _import("deepspeed")
     if not dist.is_initialized() and os.environ.get("WORLD_SIZE", "1") == "1":
         # A fresh port every time: a child process inherits its parent's environment.
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", LOCAL_RANK="0",
                           WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
     if not ds.comm.is_initialized():
         ds.init_distributed(dist_backend="gloo", verbose=False)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import torch
 
-from moepar_kernels.permute import _inverse_row_map, permute
+from moepar_kernels.permute import inverse_row_map, permute
 
 # Dedup (one row per token and destination rank) in "auto" mode: when the EP group's rows
 # with dedup are at most this fraction of its routes. The break-even measured on the 2-core
-# CPU with gloo (docs/bench.md); not measured on NCCL, where moving bytes costs more against
-# the local passes and the break-even is likely higher (MOEPAR_DEDUP=1 forces it).
+# CPU with gloo (docs/benchmarks.md); not measured on NCCL, where moving bytes costs more
+# against the local passes and the break-even is likely higher (dedup="on" forces it).
 DEDUP_MAX_FRACTION = 0.3
 
 
@@ -58,7 +58,7 @@ def dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L: int, P: int):
     dest_TK, drop_TK = _dedup_plan(expert_ids_TK, dropped_TK, L, P)
     K = dest_TK.shape[1]
     x_SD, _, row_map_TK = permute(x_TD, dest_TK, drop_TK, P)
-    route_S = _inverse_row_map(row_map_TK, x_SD.shape[0])    # each row's (first) route t*K + k
+    route_S = inverse_row_map(row_map_TK, x_SD.shape[0])    # each row's (first) route t*K + k
     tok_S = torch.div(route_S, K, rounding_mode="floor")
     mine_SK = dest_TK.index_select(0, tok_S) == dest_TK.reshape(-1).index_select(0, route_S)[:, None]
     if dropped_TK is not None:

@@ -26,7 +26,7 @@ within float rounding:
 Experts run in segments of consecutive experts whose [rows, F] intermediates stay under
 ``SEGMENT_BYTES`` (heap-sized buffers, no fresh page faults at every call); backward walks
 the segments last-first, freeing each as it goes, and gelu/swiglu recompute their output
-from the saved pre-activation instead of storing it (docs/bench.md has the measurements).
+from the saved pre-activation instead of storing it (docs/local.md).
 """
 from __future__ import annotations
 
@@ -35,11 +35,11 @@ from typing import Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from moepar_kernels import workspace
 
-from .gemm import GEMM_PATHS, _LoopGemm, choose_gemm_path, make_gemm, path_supported, resolve_gemm_path  # noqa: F401
+from .experts_fn import ExpertsFunction, check_counts
+from .experts_op import experts_fwd
+from .gemm import GEMM_PATHS, resolve_gemm_path
 
 
 ACTIVATIONS = ("gelu", "swiglu", "relu")
@@ -52,154 +52,6 @@ def _expert_seed(init_seed: int, g: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
-
-
-# Experts run in segments of consecutive experts whose [rows, F] intermediates stay under
-# this many bytes (an expert larger than that is a segment of its own). Buffers below
-# glibc's mmap threshold (dynamic, at most 32 MiB) are reused from the heap; larger ones are
-# mapped afresh and every page faults on first touch at every call (~1.4 us a 4 KiB page
-# here: 11 ms for one 32 MiB buffer). Measured in docs/bench.md.
-SEGMENT_BYTES = 8 << 20
-
-
-def _segments(counts: Sequence[int], row_bytes: int) -> list[tuple[int, int, int, int]]:
-    """(first expert, end expert, first row, end row) of each segment."""
-    segs, e0, r0, rows = [], 0, 0, 0
-    for e, c in enumerate(counts):
-        if e > e0 and (rows + c) * row_bytes > SEGMENT_BYTES:
-            segs.append((e0, e, r0, r0 + rows))
-            e0, r0, rows = e, r0 + rows, 0
-        rows += c
-    segs.append((e0, len(counts), r0, r0 + rows))
-    return segs
-
-
-class _ExpertsFunction(torch.autograd.Function):
-    """All local experts' FFN, forward and backward, on ragged expert-major rows, one
-    segment of experts at a time (see ``SEGMENT_BYTES``): the [rows, F] intermediates are
-    per segment, the outputs and gradients are written into slices of whole buffers.
-    Only the pre-activations are kept for backward (gelu/swiglu recompute their output
-    there, one elementwise pass; relu keeps its in-place output): half the [N, F] memory."""
-
-    @staticmethod
-    def forward(ctx, x, w1, w2, w3, b1, b2, b3, counts, path, activation, segment_experts=None):
-        # segment_experts: row block i is for expert segment_experts[i] (any order, repeats
-        # allowed; the loop path with whole weights, see _LoopGemm); None: block e is expert e.
-        mapped = segment_experts is not None
-        y = workspace.empty_like_rows(x, x.shape[0], w2.shape[2])
-        saved = []
-        for e0, e1, r0, r1 in _segments(counts, w1.shape[2] * x.element_size()):
-            sl = slice(e0, e1)
-            part = (lambda t: t) if mapped else (lambda t: _part(t, sl))   # noqa: E731
-            gemm = _LoopGemm(counts[sl], segment_experts[sl]) if mapped else make_gemm(path, counts[sl], x.device)
-            xg = gemm.pad(x[r0:r1])                      # [n', D]: a view except for padded bmm
-            h1 = gemm.fwd(xg, part(w1), part(b1))        # [n', F]
-            h3 = None
-            if activation == "swiglu":
-                h3 = gemm.fwd(xg, part(w3), part(b3))
-                a = F.silu(h1).mul_(h3)
-            elif activation == "gelu":
-                a = F.gelu(h1)
-            else:  # relu in place: the backward only needs the output's sign
-                a = h1.relu_()
-                h1 = None
-            if gemm.same_layout:
-                gemm.fwd(a, part(w2), part(b2), out=y[r0:r1])
-            else:
-                torch.index_select(gemm.fwd(a, part(w2), part(b2)), 0, gemm.dest, out=y[r0:r1])
-            saved.append((e0, e1, r0, r1, gemm, xg, h1, h3, a if activation == "relu" else None))
-            del a
-        ctx.save_for_backward(w1, w2, w3)
-        ctx.segments, ctx.activation, ctx.mapped = saved, activation, mapped
-        ctx.has_b = (b1 is not None, b2 is not None, b3 is not None)
-        return y
-
-    @staticmethod
-    def backward(ctx, gy):
-        w1, w2, w3 = ctx.saved_tensors
-        act, need = ctx.activation, ctx.needs_input_grad
-        gy = gy.contiguous()
-        # Whole gradient buffers, each segment writes its slice.
-        # gx is allocated after the first (last) segment is done and freed, from its memory;
-        # that segment's rows wait in a small temporary meanwhile.
-        gx, gx_first = None, None
-        gw1, gw2 = (workspace.empty(w.shape, w.dtype, w.device) if need[i] else None for i, w in ((1, w1), (2, w2)))
-        gw3 = workspace.empty(w3.shape, w3.dtype, w3.device) if w3 is not None and need[3] else None
-        has_b = ctx.has_b
-        gb1 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b[0] and need[4] else None
-        gb2 = w2.new_empty(w2.shape[0], w2.shape[2]) if has_b[1] and need[5] else None
-        gb3 = w1.new_empty(w1.shape[0], w1.shape[2]) if has_b[2] and need[6] else None
-        if ctx.mapped:   # blocks accumulate into their expert's gradients (none: zero)
-            for t in (gw1, gw2, gw3, gb1, gb2, gb3):
-                if t is not None:
-                    t.zero_()
-        segments, ctx.segments = ctx.segments, None
-        while segments:
-            # Last segment first, each freed once done: its intermediates, the most recently
-            # allocated, are returned before the gradients grow (lower peak memory).
-            e0, e1, r0, r1, gemm, xg, h1, h3, a = segments.pop()
-            sl = slice(e0, e1)
-            part = (lambda t: t) if ctx.mapped else (lambda t: _part(t, sl))   # noqa: E731
-            gyg = gemm.pad(gy[r0:r1])
-            if a is None:   # recompute the activation's output (gw2 needs it)
-                a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
-            if gw2 is not None:
-                gemm.wgrad(a, gyg, out=part(gw2))
-            if gb2 is not None:
-                gemm.bias_grad(gyg, out=part(gb2))
-            if act != "relu":
-                del a                                     # ga below can take its place
-            ga = gemm.dgrad(gyg, part(w2))                # [n', F]
-            del gyg
-            gh3 = None
-            if act == "swiglu":
-                gh3 = F.silu(h1).mul_(ga)                 # d/dh3 of silu(h1) * h3
-                gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3), h1, grad_input=ga)
-            elif act == "gelu":
-                gh1 = torch.ops.aten.gelu_backward.grad_input(ga, h1, grad_input=ga)
-            else:
-                gh1 = torch.ops.aten.threshold_backward.grad_input(ga, a, 0, grad_input=ga)
-                del a
-            del h1, h3
-            if need[0]:
-                dst = gx[r0:r1] if gemm.same_layout and gx is not None else None
-                dst = gemm.dgrad(gh1, part(w1), out=dst)
-                if gh3 is not None:
-                    gemm.dgrad(gh3, part(w3), out=dst, acc=True)
-                if gx is None:
-                    gx_first = (r0, r1, gemm.unpad(dst))
-                elif not gemm.same_layout:
-                    torch.index_select(dst, 0, gemm.dest, out=gx[r0:r1])
-            if gw1 is not None:
-                gemm.wgrad(xg, gh1, out=part(gw1))
-            if gb1 is not None:
-                gemm.bias_grad(gh1, out=part(gb1))
-            if gh3 is not None:
-                if gw3 is not None:
-                    gemm.wgrad(xg, gh3, out=part(gw3))
-                if gb3 is not None:
-                    gemm.bias_grad(gh3, out=part(gb3))
-            del xg, ga, gh1, gh3
-            if gx_first is not None:
-                gx = workspace.empty_like_rows(gy, gy.shape[0], w1.shape[1])
-                gx[gx_first[0]:gx_first[1]] = gx_first[2]
-                gx_first = None
-        return gx, gw1, gw2, gw3, gb1, gb2, gb3, None, None, None, None
-
-
-def check_counts(counts: list[int], num_local_experts: int, rows: int) -> list[int]:
-    """``counts`` if it holds one count >= 0 per local expert, summing to ``rows``."""
-    if len(counts) != num_local_experts:
-        raise ValueError(f"tokens_per_expert has {len(counts)} entries but num_local_experts={num_local_experts}")
-    if any(c < 0 for c in counts):
-        raise ValueError(f"tokens_per_expert={counts} must be >= 0")
-    if sum(counts) != rows:
-        raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x_ND has {rows} rows")
-    return counts
-
-
-def _part(b, sl):
-    return None if b is None else b[sl]
 
 
 class GroupedExperts(nn.Module):
@@ -362,14 +214,13 @@ class GroupedExperts(nn.Module):
             if any(not 0 <= e < self.num_local_experts for e in seg):
                 raise ValueError(f"segment_experts={seg} must lie in [0, num_local_experts={self.num_local_experts})")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
-            return _ExpertsFunction.apply(x_ND, *params, counts, "loop", self.activation, seg)
+            return ExpertsFunction.apply(x_ND, *params, counts, "loop", self.activation, seg)
         if torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor):
             # Traced: the counts' host read happens inside a custom op (no graph break).
-            from .experts_op import experts_fwd
             return experts_fwd(x_ND, *params, tokens_per_expert, self.gemm_path, self.activation)
         counts = self._counts(tokens_per_expert, x_ND)
         path = self.resolve_gemm_path(x_ND, counts)
-        return _ExpertsFunction.apply(x_ND, *params, counts, path, self.activation, None)
+        return ExpertsFunction.apply(x_ND, *params, counts, path, self.activation, None)
 
     def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """``y_ND`` plus b2 on each expert's row block (a no-op without bias). For the

@@ -3,7 +3,7 @@
 The experts need the per-expert row counts on the host to size their GEMMs; traced by
 dynamo, that host read (``tolist``) is a graph break. Behind a custom op the read happens
 inside the op at run time, and the compiled graph holds one opaque node with a fake
-(shape-only) implementation: no break. Eager mode keeps ``_ExpertsFunction`` directly.
+(shape-only) implementation: no break. Eager mode keeps ``ExpertsFunction`` directly.
 
 ``moepar::experts_fwd(x, w1, w2, w3?, b1?, b2?, b3?, counts, path, activation) -> y`` runs
 the same Function (same GEMM paths, same numbers) without keeping its intermediates;
@@ -17,16 +17,16 @@ from typing import Optional
 
 import torch
 
+from .experts_fn import ExpertsFunction, check_counts
 from .gemm import resolve_gemm_path
 
 _Opt = Optional[torch.Tensor]
 
 
 def _apply(x, w1, w2, w3, b1, b2, b3, counts_t, path, activation):
-    from .experts import _ExpertsFunction, check_counts
     counts = check_counts([int(c) for c in counts_t.tolist()], w1.shape[0], x.shape[0])
     path = resolve_gemm_path(path, x.device, x.dtype, counts, w1.shape[1], w1.shape[2])
-    return _ExpertsFunction.apply(x, w1, w2, w3, b1, b2, b3, counts, path, activation, None)
+    return ExpertsFunction.apply(x, w1, w2, w3, b1, b2, b3, counts, path, activation, None)
 
 
 @torch.library.custom_op("moepar::experts_fwd", mutates_args=())

@@ -22,7 +22,7 @@ GEMM_PATHS = ("auto", "grouped_mm", "loop", "bmm")
 # caller's ragged layout and the path's own (only bmm over unequal blocks differs; the others
 # have ``same_layout`` and write straight into the caller's buffers).
 
-class _LoopGemm:
+class LoopGemm:
     """One mm/addmm per non-empty expert, written into slices of one output buffer.
 
     ``experts`` (mapped mode): row block i belongs to expert ``experts[i]`` of the whole
@@ -95,7 +95,7 @@ def _into(r: torch.Tensor, out, acc: bool = False) -> torch.Tensor:
     return out.add_(r) if acc else out.copy_(r)
 
 
-class _GroupedMMGemm(_LoopGemm):
+class _GroupedMMGemm(LoopGemm):
     """torch.nn.functional.grouped_mm with int32 end offsets; bias adds and bias grads
     stay per-expert slices (E small elementwise ops). grouped_mm has no ``out=``: on the
     CPU, where its kernel is itself a loop of mm, a result that lands in a slice of a
@@ -181,7 +181,7 @@ class _BmmGemm:
 
 def make_gemm(path: str, counts: Sequence[int], device: torch.device):
     if path == "loop" or sum(counts) == 0:   # no rows: every path gives zeros, the loop cheapest
-        return _LoopGemm(counts)
+        return LoopGemm(counts)
     if path == "grouped_mm":
         return _GroupedMMGemm(counts, device)
     if path == "bmm":

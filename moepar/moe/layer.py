@@ -11,7 +11,7 @@ dropless, E*C/tp*... rows padded): see docs/moe.md for the table the cost model 
   backward: the mirrors: 2 token all-to-alls, [etp>1] reduce-scatter + all-gather,
             [tp>1, not SP] all-gather of dX (T*D*b) and of d(weights) (T*K*4),
             [shared, tp>1] all-reduce of dX.
-  dedup (dispatcher, MOEPAR_DEDUP): token all-to-alls of f*R*D*b plus a side all-to-all of
+  dedup (MoEConfig.dedup): token all-to-alls of f*R*D*b plus a side all-to-all of
             f*R*2K*4 each way (f = rows per route: one row per token and destination rank).
 """
 from __future__ import annotations
@@ -27,7 +27,8 @@ from torch import nn
 from ..parallel import comm
 from ..parallel.groups import ParallelState, get_parallel_state
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from .dispatcher import Dispatcher
+from .config import MoEConfig, make_config
+from .dispatcher import Dispatcher, dtype_code, dtype_name
 from .experts import GroupedExperts
 from .router import TopKRouter
 
@@ -82,131 +83,141 @@ class MoE(nn.Module):
     """Mixture-of-Experts feed-forward layer with expert parallelism.
 
     ``MoE(hidden, num_experts, ep_size)`` is a drop-in for a dense MLP: ``forward(x)`` takes
-    ``[..., hidden]`` and returns the same shape. The parallel layout comes from ``state``
-    (default: the last ``moepar.init_parallel``); ``ep_size`` and
-    ``expert_tensor_parallel_size`` must match it. Routing options are ``TopKRouter``'s.
-    ``aux_loss_scope``: "local" computes the aux/z statistics over this replica's batch
-    (DeepSpeed's behaviour); "global" over the whole global batch (all data-parallel
-    replicas), which makes training independent of the dp size.
-    ``sequence_parallel=True`` means x holds this TP rank's own slice of the tokens (the
-    slices may differ in length; the aux-loss statistics are then summed over the TP group);
-    otherwise x is replicated over the TP group and each TP rank dispatches a 1/tp share of it.
+    ``[..., hidden]`` and returns the same shape. Options: a ``MoEConfig`` as ``config``,
+    and/or its fields (and the nested ``RouterConfig``'s: k, capacity_factor, aux_loss, ...)
+    as keywords, which fill it (``moepar.moe.config``, where each option is documented).
+    The parallel layout comes from ``state`` (default: the last ``moepar.init_parallel``);
+    ``ep_size`` and ``expert_tensor_parallel_size`` must match it. The process groups are
+    read from ``state`` at every call, never kept here.
+
+    Attributes: ``config``, ``router`` (TopKRouter), ``experts`` (GroupedExperts),
+    ``shared`` (SharedExperts or None), ``dispatcher``, ``stats``, ``aux_loss``, ``z_loss``.
     """
 
-    def __init__(self, hidden: int, num_experts: int, ep_size: int = 1, *, k: int = 2,
-                 ffn_hidden: int | None = None, activation: str = "gelu", bias: bool = False,
-                 capacity_factor: float | None = None, eval_capacity_factor: float | None = None,
-                 min_capacity: int = 4, drop_policy: str = "probs", pad_to_capacity: bool = False,
-                 score_func: str = "softmax", normalize_weights: bool | None = None,
-                 scaling_factor: float = 1.0, noisy_gate_policy: str | None = None,
-                 aux_loss: str | None = "switch", aux_loss_coeff: float = 1e-2, seq_len: int | None = None,
-                 aux_loss_scope: str = "local",
-                 z_loss_coeff: float = 0.0, expert_bias: bool = False, num_groups: int | None = None,
-                 topk_groups: int | None = None, num_shared_experts: int = 0,
-                 shared_ffn_hidden: int | None = None, expert_tensor_parallel_size: int = 1,
-                 sequence_parallel: bool = False, state: ParallelState | None = None,
-                 init_seed: int | None = None, init_std: float | None = None,
-                 use_kernels: bool | None = None, gemm_path: str = "auto", checkpoint_experts: bool = False,
-                 dtype: torch.dtype | None = None):
+    def __init__(self, hidden: int, num_experts: int, ep_size: int = 1, config: MoEConfig | None = None, *,
+                 state: ParallelState | None = None, **options):
         super().__init__()
+        self.config = cfg = make_config(hidden, num_experts, ep_size, config, **options)
         state = state if state is not None else get_parallel_state()
-        self._check_layout(hidden, num_experts, ep_size, expert_tensor_parallel_size, state)
+        self._check_layout(cfg, state)
         self.state = state
-        self.hidden, self.num_experts, self.k = hidden, num_experts, k
+        self.hidden, self.num_experts, self.k = hidden, num_experts, cfg.router.k
         self.ep, self.etp, self.tp = state.ep_size, state.etp_size, state.tp_size
-        self.sequence_parallel = sequence_parallel
-        if aux_loss_scope not in ("local", "global"):
-            raise ValueError(f"aux_loss_scope={aux_loss_scope!r} must be 'local' or 'global'")
-        self.aux_loss_scope = aux_loss_scope
-        self.pad_to_capacity = pad_to_capacity
+        self.sequence_parallel, self.aux_loss_scope = cfg.sequence_parallel, cfg.aux_loss_scope
+        self.pad_to_capacity = cfg.router.pad_to_capacity
         # Recompute the expert FFNs in backward instead of storing [M, F] activations; the
         # dispatch collectives sit outside the recomputed region, so none is re-run.
-        self.checkpoint_experts = checkpoint_experts
-        ffn_hidden = ffn_hidden or 4 * hidden
+        self.checkpoint_experts = cfg.checkpoint_experts
+        init_seed = cfg.init_seed
         if init_seed is None:  # same on every rank: init_parallel seeded the default RNG alike
             init_seed = int(torch.randint(0, 2 ** 30, ()))
-        self.router = TopKRouter(
-            hidden, num_experts, k, score_func=score_func, normalize_weights=normalize_weights,
-            scaling_factor=scaling_factor, expert_bias=expert_bias, num_groups=num_groups,
-            topk_groups=topk_groups, noisy_gate_policy=noisy_gate_policy, capacity_factor=capacity_factor,
-            eval_capacity_factor=eval_capacity_factor, min_capacity=min_capacity, drop_policy=drop_policy,
-            pad_to_capacity=pad_to_capacity, aux_loss=aux_loss, aux_loss_coeff=aux_loss_coeff,
-            seq_len=seq_len, z_loss_coeff=z_loss_coeff, nonfinite="propagate", use_kernel=use_kernels,
-            init_seed=init_seed, init_std=init_std)
-        if sequence_parallel and self.tp > 1:
+        router_cfg = dataclasses.replace(cfg.router, init_seed=init_seed)
+        self.router = TopKRouter(**{f.name: getattr(router_cfg, f.name) for f in dataclasses.fields(router_cfg)})
+        if cfg.sequence_parallel and self.tp > 1:
             for p in self.router.parameters():  # fed only this rank's tokens: grads summed over TP
                 p.sequence_parallel = True
         self.num_local_experts = num_experts // self.ep
         self.experts = GroupedExperts(
-            self.num_local_experts, hidden, ffn_hidden, activation, bias,
+            self.num_local_experts, hidden, cfg.ffn, cfg.activation, cfg.bias,
             first_expert=state.ep_rank * self.num_local_experts, etp_size=self.etp, etp_rank=state.etp_rank,
-            init_seed=init_seed + 1, init_std=init_std, dtype=dtype, gemm_path=gemm_path)
+            init_seed=init_seed + 1, init_std=cfg.init_std, dtype=cfg.dtype, gemm_path=cfg.gemm_path)
         self.shared = None
-        if num_shared_experts:
-            self.shared = SharedExperts(hidden, shared_ffn_hidden or ffn_hidden * num_shared_experts,
-                                        activation, state, sequence_parallel, init_seed + 2, init_std, dtype)
+        if cfg.num_shared_experts:
+            self.shared = SharedExperts(hidden, cfg.shared_ffn, cfg.activation, state, cfg.sequence_parallel,
+                                        init_seed + 2, cfg.init_std, cfg.dtype)
         self._stats = MoEStats()
-        self.dispatcher = Dispatcher(num_experts, state.ep_group, state.etp_group,
-                                     None if sequence_parallel else state.tp_group, stats=self._stats.comm)
+        self.dispatcher = Dispatcher(num_experts, state=state, sequence_parallel=cfg.sequence_parallel,
+                                     stats=self._stats.comm, dedup=cfg.dedup)
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
 
     @staticmethod
-    def _check_layout(hidden, num_experts, ep_size, etp_size, state) -> None:
-        for name, v in (("hidden", hidden), ("num_experts", num_experts), ("ep_size", ep_size),
-                        ("expert_tensor_parallel_size", etp_size)):
-            if not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name}={v!r} must be a positive integer")
-        if ep_size != state.ep_size:
-            raise ValueError(f"ep_size={ep_size} does not match the parallel state's expert_parallel_size="
-                             f"{state.ep_size}; call moepar.init_parallel(expert_parallel_size={ep_size}) "
+    def _check_layout(cfg: MoEConfig, state: ParallelState) -> None:
+        if cfg.ep_size != state.ep_size:
+            raise ValueError(f"ep_size={cfg.ep_size} does not match the parallel state's expert_parallel_size="
+                             f"{state.ep_size}; call moepar.init_parallel(expert_parallel_size={cfg.ep_size}) "
                              f"first or pass ep_size={state.ep_size}")
-        if etp_size != state.etp_size:
-            raise ValueError(f"expert_tensor_parallel_size={etp_size} does not match the parallel state's "
-                             f"expert_tensor_parallel_size={state.etp_size}")
-        if num_experts % ep_size:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={ep_size}")
+        if cfg.expert_tensor_parallel_size != state.etp_size:
+            raise ValueError(f"expert_tensor_parallel_size={cfg.expert_tensor_parallel_size} does not match the "
+                             f"parallel state's expert_tensor_parallel_size={state.etp_size}")
 
     @property
     def stats(self) -> MoEStats:
         """Tokens per expert, dropped routes and the collectives of the last forward/backward."""
         return self._stats
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., hidden] -> [..., hidden]``; the steps, each named in docs/moe.md."""
+        self._stats.comm.reset()
+        self._preflight(x)
+        x_TD = x.reshape(-1, self.hidden)
+        routing = self.router(x_TD, stats_group=self._aux_group())                   # 1. route
+        x_local, meta = self.dispatcher.dispatch(                                    # 2-4. permute, exchange
+            x_TD, routing.expert_ids, routing.dropped if routing.capacity is not None else None,
+            routing.weights, routing.capacity if self.pad_to_capacity else None,
+            source_major=self.config.cpu_source_major and self.etp == 1 and not torch.compiler.is_compiling())
+        y_local = self._run_experts(x_local, meta)                                   # 5. experts
+        y_TD = self.dispatcher.combine(y_local, meta)                                # 6-8. back, unpermute, gather
+        if self.shared is not None:
+            y_TD = y_TD + self.shared(x_TD, self._sequence_sizes(x_TD))
+        self._record(routing)
+        return y_TD.reshape(x.shape)
+
+    def _preflight(self, x: torch.Tensor) -> None:
+        """Raise on every rank when any rank's input is invalid, before the first collective.
+
+        Every rank checks its own x (last dim = hidden, floating point, and finite with
+        ``check_finite``), then one all-reduce over the whole world of a [world, 3] int64
+        table (error flag, hidden, dtype code per rank: 24*world bytes) tells each rank
+        every rank's verdict. The world, not the EP group: the forward also waits in ETP,
+        TP and data-parallel collectives, whose peers must raise too. Cost: one tiny
+        collective (and its host read) per forward."""
+        error = self._input_error(x)
+        if error is None and self.config.check_finite and not bool(torch.isfinite(x).all()):
+            error = "check_finite=True: non-finite values in the MoE layer input"
+        # A layer of a one-rank state (ParallelState.single()) stays local even where a
+        # process group exists: it issues no collective at all.
+        world = dist.group.WORLD if self.state.world_size > 1 else None
+        if world is not None:
+            rank, size = dist.get_rank(), dist.get_world_size()
+            table = torch.zeros(size, 3, dtype=torch.int64)
+            table[rank] = torch.tensor([error is not None, int(x.shape[-1]) if x.dim() else -1, dtype_code(x.dtype)])
+            table = comm.all_reduce_(table.to(comm.small_device(world, x)), world, stats=self._stats.comm).cpu()
+            bad = torch.nonzero(table[:, 0]).flatten().tolist()
+            if error is None and bad:
+                error = (f"MoE forward aborted: rank(s) {bad} reported invalid input (see their error); "
+                         f"this is rank {rank}")
+            elif error is None and (table[:, 2] != table[rank, 2]).any():
+                error = (f"MoE forward: the input dtypes {[dtype_name(int(c)) for c in table[:, 2]]} differ across "
+                         f"the ranks (by global rank); every rank must pass the same dtype")
+        if error is not None:
+            raise ValueError(error)
+
     def _input_error(self, x: torch.Tensor) -> str | None:
+        if not isinstance(x, torch.Tensor):
+            return f"x must be a tensor, got {type(x).__name__}"
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             return f"x's last dim is {tuple(x.shape)[-1:] or '()'} but the MoE layer has hidden={self.hidden}"
         if not x.is_floating_point():
             return f"x must be a floating-point tensor, got {x.dtype}"
         return None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        error = self._input_error(x)
-        if error is not None:  # tell the EP peers before raising, so nobody hangs
-            self.dispatcher.preflight_error(error, int(x.shape[-1]) if x.dim() else 0, x.dtype)
-        shape = x.shape
-        x_TD = x.reshape(-1, self.hidden)
-        self._stats.comm.reset()
-        routing = self.router(x_TD, stats_group=self._aux_group())
-        capacity = routing.capacity if self.pad_to_capacity else None
-        # Dropless routing drops nothing: passing no mask keeps the row count static (T*K),
-        # which torch.compile can trace without a data-dependent shape.
-        dropped = routing.dropped if routing.capacity is not None else None
-        # Source-major rows (no regroup copy) when the experts can take them: not under
-        # torch.compile (its custom op takes expert-major rows) and without expert TP.
-        source_ok = self.etp == 1 and not torch.compiler.is_compiling()
-        x_local, meta = self.dispatcher.dispatch(x_TD, routing.expert_ids, dropped, routing.weights, capacity,
-                                                 source_major=source_ok)
+    def _run_experts(self, x_local: torch.Tensor, meta) -> torch.Tensor:
+        """Step 5: the local experts on the received rows (expert-major, or source-major
+        blocks named by ``meta.segment_experts``); with expert TP the partial sums are
+        reduced in ``combine``, so the output bias is added once, on ETP rank 0."""
         counts, seg = ((meta.tokens_per_local_expert, None) if meta.segment_experts is None
                        else (meta.segment_counts, meta.segment_experts))
         if self.checkpoint_experts and torch.is_grad_enabled():
             y_local = torch.utils.checkpoint.checkpoint(self.experts, x_local, counts, seg, use_reentrant=False)
         else:
             y_local = self.experts(x_local, counts, seg)
-        if self.etp > 1 and self.state.etp_rank == 0:  # partial sums: add the output bias once
+        if self.etp > 1 and self.state.etp_rank == 0:
             y_local = self.experts.add_output_bias(y_local, meta.tokens_per_local_expert)
-        y_TD = self.dispatcher.combine(y_local, meta)
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD, self._sequence_sizes(x_TD))
+        return y_local
+
+    def _record(self, routing) -> None:
+        """The losses and statistics of this forward."""
         self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
         if self.aux_loss_scope == "global" and self.state.dp_size > 1:
             # Each replica back-propagates only its own tokens' share of the global loss and
@@ -217,7 +228,6 @@ class MoE(nn.Module):
         self._stats.tokens_per_expert = routing.tokens_per_expert.detach()
         self._stats.routes = routing.expert_ids.numel()
         self._stats.dropped = routing.dropped.sum().detach()
-        return y_TD.reshape(shape)
 
     def _sequence_sizes(self, x_TD: torch.Tensor) -> list[int] | None:
         """Under sequence parallelism, every TP rank's token count (one small all-gather

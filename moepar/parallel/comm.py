@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import os
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -68,6 +67,8 @@ class CommStats:
 
 
 _LISTENERS: list[CommStats] = []
+# Depth of ``synchronized_timing()`` blocks: while > 0, CUDA is synchronized around each call.
+_SYNC_DEPTH = [0]
 
 
 @contextlib.contextmanager
@@ -79,6 +80,18 @@ def track() -> Iterator[CommStats]:
         yield stats
     finally:
         _LISTENERS.remove(stats)
+
+
+@contextlib.contextmanager
+def synchronized_timing() -> Iterator[None]:
+    """Inside the block, each collective's recorded time is its own: the CUDA stream is
+    synchronized before and after every call (slow; for measurements such as the cost
+    model's calibration). Outside it, times are the host-side launch-to-return times."""
+    _SYNC_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _SYNC_DEPTH[0] -= 1
 
 
 def group_size(group) -> int:
@@ -94,7 +107,7 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _timed(op: str, group, nbytes: int, backward: bool, fn, stats: CommStats | None = None) -> None:
-    sync = torch.cuda.is_available() and os.environ.get("MOEPAR_TIME_COMM") == "1"
+    sync = _SYNC_DEPTH[0] > 0 and torch.cuda.is_available()
     if sync:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -203,27 +216,6 @@ def all_to_all_rows(x: torch.Tensor, group, output_split_sizes: Sequence[int] | 
     return out
 
 
-def all_to_all_blocks_rows(x: torch.Tensor, group, out_blocks: Sequence[Sequence[int]],
-                           in_blocks: Sequence[Sequence[int]], backward: bool = False,
-                           stats: CommStats | None = None, empty: EmptyFn | None = None) -> torch.Tensor:
-    """One all-to-all-v per row block: block b of ``x`` (``sum(in_blocks[b])`` rows, split
-    over the peers by ``in_blocks[b]``) lands as block b of the output (``out_blocks[b]``
-    from each peer). Recorded as one all-to-all of the whole send buffer."""
-    if group_size(group) == 1:
-        return x
-    x = x.contiguous()
-    out = _new_rows(x, sum(sum(b) for b in out_blocks), empty)
-
-    def run():
-        i0 = o0 = 0
-        for out_s, in_s in zip(out_blocks, in_blocks):
-            i1, o1 = i0 + sum(in_s), o0 + sum(out_s)
-            dist.all_to_all_single(out[o0:o1], x[i0:i1], list(out_s), list(in_s), group=group)
-            i0, o0 = i1, o1
-    _timed("all_to_all", group, _nbytes(x), backward, run, stats)
-    return out
-
-
 # ---- autograd functions ---------------------------------------------------------------
 
 def _move_first(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -315,8 +307,8 @@ class _ReduceScatter(_RowBlockOp):  # forward: reduce-scatter; backward: all-gat
 
 
 class _AllToAll(torch.autograd.Function):
-    """``raw`` (all_to_all_rows or all_to_all_blocks_rows) forward; the same with the
-    splits swapped backward."""
+    """``raw`` (all_to_all_rows, with an allocator bound) forward; the same with the splits
+    swapped backward."""
 
     @staticmethod
     def forward(ctx, x, group, out_splits, in_splits, stats, raw):
@@ -379,20 +371,6 @@ def all_to_all(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None 
         return x
     raw = all_to_all_rows if empty is None else functools.partial(all_to_all_rows, empty=empty)
     return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats, raw)
-
-
-def all_to_all_blocks(x: torch.Tensor, group, out_blocks: Sequence[Sequence[int]],
-                      in_blocks: Sequence[Sequence[int]], stats: CommStats | None = None,
-                      empty: EmptyFn | None = None) -> torch.Tensor:
-    """All-to-all-v in row blocks (see ``all_to_all_blocks_rows``): block b's rows go to the
-    peers as ``in_blocks[b]`` says and come back as output block b, so the output can be
-    laid out block-major (e.g. local-expert-major) with no regrouping copy afterwards.
-    Backward is the reverse, block by block."""
-    if group_size(group) == 1:
-        return x
-    as_t = lambda bs: tuple(tuple(int(v) for v in b) for b in bs)   # noqa: E731
-    raw = all_to_all_blocks_rows if empty is None else functools.partial(all_to_all_blocks_rows, empty=empty)
-    return _AllToAll.apply(x, group, as_t(out_blocks), as_t(in_blocks), stats, raw)
 
 
 def _tuple(sizes: Sequence[int] | None) -> tuple[int, ...] | None:

@@ -1,10 +1,22 @@
-"""Large CPU buffers reused across steps instead of page-faulted afresh at every step.
+"""What only the CPU/gloo path of the layer uses: source-major token rows and a pool of
+large CPU buffers reused across steps. The callers keep CUDA tensors out (``empty`` hands
+them to torch and its caching allocator; the dispatcher asks ``source_major_pays`` for
+CPU tensors only).
+
+Source-major rows. The token all-to-all delivers block s from EP peer s, inside it the
+peer's rows for each local expert; the grouped GEMM wants each local expert's rows
+contiguous, which costs a gather of the received rows and its inverse on the way back. On
+gloo with CPU tensors the rows are instead left as they arrive and the experts run each
+(peer, local expert) block on the expert's weights (GroupedExperts' ``segment_experts``):
+``bench dispatch`` measured the dispatch + combine 1.5-2.5x faster than with the regroup
+on the 2-core VM (docs/benchmarks.md). NCCL keeps the regroup (cheap in HBM, and one
+grouped GEMM per expert is what the GPU wants).
 
 Why. With glibc's allocator a buffer of more than a few MiB is mapped from the kernel when
 it is allocated and unmapped when it is freed (or trimmed from the heap top), so every
 step's dispatch buffers, all-to-all outputs and expert gradients are faulted in page by
-page, zero-filled, again at every step. On the development VM that costs about 0.5 ms per
-MiB, several times the cost of the copy that fills the buffer (docs/bench.md). PyTorch's
+page, zero-filled, again at every step, which costs several times the copy that fills the
+buffer (measured: docs/benchmarks.md, docs/moe.md "CPU buffers"). PyTorch's
 CUDA caching allocator does not exist on the CPU; jemalloc/tcmalloc or glibc's MALLOC_*
 variables fix it process-wide, but a library cannot count on them.
 
@@ -18,24 +30,34 @@ is made. Free buffers unused for ``MAX_IDLE_TAKES`` allocations are dropped, and
 ``max_free_bytes`` of free buffers are kept. Only the ops of this package allocate from it
 (permute, unpermute's backward, the dispatcher's all-to-alls, the grouped experts); the
 memory it holds between steps is what the next step needs again. ``release()`` returns it
-all (``moepar.release_cpu_buffers``); ``MOEPAR_CPU_BUFFER_POOL=0`` turns the pool off.
-Thread-safe (one lock). CUDA tensors always go to torch (its caching allocator).
+all (``moepar.release_cpu_buffers``); ``with moepar.moe.cpu.pool_disabled():`` turns the
+pool off inside a block (``POOL.min_bytes`` sets the smallest pooled buffer; the tests set
+0 so that their small shapes go through it too). Thread-safe (one lock).
 """
 from __future__ import annotations
 
-import os
+import contextlib
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
+import torch.distributed as dist
 
-# Below this glibc serves from the heap anyway. The tests set MOEPAR_CPU_POOL_MIN_BYTES=0 so
-# that their small shapes go through the pool too.
-MIN_BYTES = int(os.environ.get("MOEPAR_CPU_POOL_MIN_BYTES", 1 << 20))
+# The grouped experts on CPU tensors run in segments of consecutive experts whose [rows, F]
+# intermediates stay under this many bytes (an expert larger than that is a segment of its
+# own; experts_fn.expert_segments). Buffers below glibc's mmap threshold (dynamic, at most
+# 32 MiB) are reused from the heap; larger ones are mapped afresh and every page faults on
+# first touch at every call. CUDA tensors run as one segment (the caching allocator reuses).
+SEGMENT_BYTES = 8 << 20
+
+# Below this glibc serves from the heap anyway (the default of ``CpuBufferPool.min_bytes``).
+MIN_BYTES = 1 << 20
 MAX_IDLE_TAKES = 4096        # free buffers not reused within this many allocations are dropped
 
 
 def _use_count(t: torch.Tensor) -> int:
+    # Private API, kept: no public one counts a storage's users, and a Python weakref to the
+    # handed-out tensor misses the references autograd holds to tensors saved for backward.
     return torch._C._storage_Use_Count(t.untyped_storage()._cdata)
 
 
@@ -46,8 +68,12 @@ def _rounded(nbytes: int) -> int:
 
 
 class CpuBufferPool:
-    def __init__(self, max_free_bytes: int = 8 << 30):
+    """The pool: ``empty`` hands out views of flat uint8 buffers nobody else references."""
+
+    def __init__(self, max_free_bytes: int = 8 << 30, min_bytes: int = MIN_BYTES):
         self.max_free_bytes = max_free_bytes
+        self.min_bytes = min_bytes       # smaller requests go to torch.empty
+        self.enabled = True
         self._lock = threading.Lock()
         self._bufs: list[list] = []      # [flat uint8 tensor, base use count, last take tick]
         self._tick = 0
@@ -109,7 +135,18 @@ POOL = CpuBufferPool()
 
 
 def enabled() -> bool:
-    return os.environ.get("MOEPAR_CPU_BUFFER_POOL", "1") != "0"
+    """Whether ``empty`` serves CPU buffers from the pool (see ``pool_disabled``)."""
+    return POOL.enabled
+
+
+@contextlib.contextmanager
+def pool_disabled() -> Iterator[None]:
+    """Inside the block, every buffer comes from ``torch.empty`` (e.g. to measure without it)."""
+    was, POOL.enabled = POOL.enabled, False
+    try:
+        yield
+    finally:
+        POOL.enabled = was
 
 
 def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -119,7 +156,7 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str =
         numel = 1
         for s in shape:
             numel *= int(s)
-        if numel * dtype.itemsize >= max(MIN_BYTES, 1):
+        if numel * dtype.itemsize >= max(POOL.min_bytes, 1):
             return POOL.empty(shape, dtype)
     return torch.empty(tuple(shape), dtype=dtype, device=device)
 
@@ -131,8 +168,23 @@ def empty_like_rows(x: torch.Tensor, rows: int, cols: int | None = None) -> torc
 
 
 def release() -> None:
+    """Forget every pooled buffer (``moepar.release_cpu_buffers``)."""
     POOL.release()
 
 
 def stats() -> dict[str, int]:
+    """The pool's buffers, held and free bytes, hits and misses (``moepar.cpu_buffer_stats``)."""
     return POOL.stats()
+
+
+def source_major_pays(ep_group, num_local_experts: int) -> bool:
+    """Whether this rank takes source-major rows (for CPU tensors): on gloo, with more than
+    one local expert (with one, source-major already is expert-major)."""
+    return num_local_experts > 1 and dist.get_backend(ep_group) == "gloo"
+
+
+def source_major_segments(counts_SL: torch.Tensor) -> tuple[tuple[int, ...], list[int]]:
+    """(local expert of each row block, rows of each block) of source-major rows: block
+    (s, l) holds counts_SL[s, l] rows of local expert l."""
+    S, L = counts_SL.shape
+    return tuple(range(L)) * S, counts_SL.reshape(-1).tolist()

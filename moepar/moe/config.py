@@ -1,0 +1,172 @@
+"""``MoEConfig``: every option of the MoE layer, validated and documented in one place.
+
+``MoE(hidden, num_experts, ep_size, config=None, **options)`` only fills this object: each
+keyword option is routed by name, to ``MoEConfig`` when it is one of its fields, else to
+the nested ``RouterConfig`` (see ``moepar.moe.router``) when it is one of that one's, else
+it is refused with the list of valid names. A new ``RouterConfig`` field therefore works
+through ``MoE(...)`` with no edit here. A name both configs have (``bias``: the experts'
+FFN biases here, the gate's there) goes to ``MoEConfig``; set the router's through
+``MoEConfig(router=RouterConfig(...))``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+
+from .experts import ACTIVATIONS
+from .gemm import GEMM_PATHS
+from .router import RouterConfig
+
+DEDUP_MODES = ("off", "auto", "on")
+AUX_LOSS_SCOPES = ("local", "global")
+# Old keyword names that still work: name -> field.
+ALIASES = {"use_kernels": "use_kernel"}
+# RouterConfig fields that the MoE layer sets itself (from its own fields of the same name).
+_ROUTER_OWNED = ("hidden", "num_experts", "init_seed", "init_std")
+
+
+def _int_at_least(name: str, v: Any, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+    """Options of one MoE layer (frozen; build a changed copy with ``dataclasses.replace``).
+
+    Layer shape and layout:
+        hidden, num_experts: D and E. ep_size: expert-parallel group size (must match the
+        parallel state). expert_tensor_parallel_size: each expert's FFN sliced over this
+        many ranks (must match the parallel state).
+        ffn_hidden: the experts' F (default 4 * hidden). activation: "gelu" | "swiglu" |
+        "relu". bias: biases in the expert FFNs.
+        num_shared_experts, shared_ffn_hidden: a dense FFN every token passes through
+        (width shared_ffn_hidden, default ffn_hidden * num_shared_experts), TP-sliced.
+        sequence_parallel: x holds this TP rank's own slice of the tokens (otherwise x is
+        replicated over the TP group and each TP rank dispatches a 1/tp share).
+    Losses:
+        aux_loss_scope: "local" (statistics over this replica's batch, DeepSpeed's) or
+        "global" (over the whole global batch across data parallelism).
+    Computation:
+        gemm_path: "auto" | "grouped_mm" | "loop" | "bmm" (``moepar.moe.gemm``).
+        checkpoint_experts: recompute the expert FFNs in backward.
+        dtype: expert parameter dtype (default: torch's default dtype).
+        init_seed, init_std: weight init (seed drawn from the default RNG when None, the
+        same on every rank since init_parallel seeds it alike; also the router's).
+    Exchange:
+        dedup: "off" | "auto" | "on": one token row per destination EP rank instead of one
+        per route (``moepar.moe.dedup``); "auto" uses it when the EP group's rows are at
+        most ``DEDUP_MAX_FRACTION`` of its routes (measured there).
+        cpu_source_major: on gloo with CPU tensors, leave the received token rows
+        source-major instead of regrouping them by expert (``moepar.moe.cpu``); the EP
+        group uses it only if every rank allows it. No effect on CUDA.
+        check_finite: refuse non-finite inputs on every rank (one all-reduce of a flag over
+        the world per forward, and a host read of the input's finiteness).
+    Routing: ``router`` (``RouterConfig``: k, score_func, capacity_factor, aux_loss, ...);
+        its ``hidden``/``num_experts``/``init_seed``/``init_std`` are the layer's.
+    """
+
+    hidden: int
+    num_experts: int
+    ep_size: int = 1
+    router: Optional[RouterConfig] = None
+    ffn_hidden: Optional[int] = None
+    activation: str = "gelu"
+    bias: bool = False
+    num_shared_experts: int = 0
+    shared_ffn_hidden: Optional[int] = None
+    expert_tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    aux_loss_scope: str = "local"
+    gemm_path: str = "auto"
+    checkpoint_experts: bool = False
+    dtype: Optional[torch.dtype] = None
+    init_seed: Optional[int] = None
+    init_std: Optional[float] = None
+    dedup: str = "auto"
+    cpu_source_major: bool = True
+    check_finite: bool = False
+
+    def __post_init__(self) -> None:
+        for name, lo in (("hidden", 1), ("num_experts", 1), ("ep_size", 1), ("expert_tensor_parallel_size", 1),
+                         ("num_shared_experts", 0)):
+            _int_at_least(name, getattr(self, name), lo)
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}")
+        for name in ("ffn_hidden", "shared_ffn_hidden"):
+            if getattr(self, name) is not None:
+                _int_at_least(name, getattr(self, name), 1)
+        if self.ffn % self.expert_tensor_parallel_size:
+            raise ValueError(f"ffn_hidden={self.ffn} is not divisible by "
+                             f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}")
+        for name, allowed in (("activation", ACTIVATIONS), ("aux_loss_scope", AUX_LOSS_SCOPES),
+                              ("gemm_path", GEMM_PATHS), ("dedup", DEDUP_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+        for name in ("bias", "sequence_parallel", "checkpoint_experts", "cpu_source_major", "check_finite"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
+            raise ValueError(f"dtype={self.dtype!r} must be None or a floating-point torch.dtype")
+        if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
+            raise ValueError(f"init_std={self.init_std!r} must be None or > 0")
+        if self.init_seed is not None:
+            _int_at_least("init_seed", self.init_seed, 0)
+        router = self.router
+        if router is None:   # the layer handles non-finite inputs itself (check_finite)
+            router = RouterConfig(self.hidden, self.num_experts, nonfinite="propagate")
+        if not isinstance(router, RouterConfig):
+            raise ValueError(f"router={router!r} must be a RouterConfig")
+        if (router.hidden, router.num_experts) != (self.hidden, self.num_experts):
+            raise ValueError(f"router has hidden={router.hidden}, num_experts={router.num_experts} but the "
+                             f"layer hidden={self.hidden}, num_experts={self.num_experts}")
+        object.__setattr__(self, "router", dataclasses.replace(router, init_seed=self.init_seed,
+                                                               init_std=self.init_std))
+
+    @property
+    def ffn(self) -> int:
+        """The experts' FFN width F (ffn_hidden, default 4 * hidden)."""
+        return self.ffn_hidden or 4 * self.hidden
+
+    @property
+    def shared_ffn(self) -> int:
+        """The shared experts' FFN width."""
+        return self.shared_ffn_hidden or self.ffn * self.num_shared_experts
+
+
+def option_names() -> tuple[list[str], list[str]]:
+    """(MoEConfig options, RouterConfig options) that ``MoE(...)`` accepts as keywords."""
+    moe = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in ("hidden", "num_experts", "router")]
+    router = [f.name for f in dataclasses.fields(RouterConfig) if f.name not in _ROUTER_OWNED and f.name not in moe]
+    return moe, router
+
+
+def make_config(hidden: int, num_experts: int, ep_size: int = 1, config: MoEConfig | None = None,
+                **options) -> MoEConfig:
+    """A ``MoEConfig`` from ``config`` (or the defaults) with ``options`` applied, each routed
+    by field name to the layer or the router config; an unknown name raises ValueError."""
+    moe_names, router_names = option_names()
+    moe_kw: dict[str, Any] = {}
+    router_kw: dict[str, Any] = {}
+    for given, value in options.items():
+        name = ALIASES.get(given, given)
+        if name in moe_names:
+            moe_kw[name] = value
+        elif name in router_names:
+            router_kw[name] = value
+        else:
+            raise ValueError(f"unknown MoE option {given!r}; valid options: {sorted(moe_names + router_names)}")
+    if config is None:
+        router = RouterConfig(hidden, num_experts, **{"nonfinite": "propagate", **router_kw})
+        return MoEConfig(hidden, num_experts, ep_size, router=router, **moe_kw)
+    if not isinstance(config, MoEConfig):
+        raise ValueError(f"config={config!r} must be a MoEConfig")
+    if (config.hidden, config.num_experts, config.ep_size) != (hidden, num_experts, ep_size):
+        raise ValueError(f"MoE(hidden={hidden}, num_experts={num_experts}, ep_size={ep_size}) disagrees with "
+                         f"config (hidden={config.hidden}, num_experts={config.num_experts}, "
+                         f"ep_size={config.ep_size})")
+    if router_kw:
+        moe_kw["router"] = dataclasses.replace(config.router, **router_kw)
+    return dataclasses.replace(config, **moe_kw) if moe_kw else config
