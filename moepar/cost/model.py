@@ -92,7 +92,7 @@ class MoESpec:
     mtp_layers: int = 0                    # multi-token-prediction modules (counted apart from total)
     # -- collectives of a training step beyond the blocks (the run report counts them) --
     qkv_linears: int = 1                   # column-parallel input linears of attention (fused QKV: 1)
-    aux_loss: bool = False                 # the router's load-balancing statistics are reduced
+    aux_loss: bool = True                  # the router's load-balancing statistics (moepar.MoE's defaults)
     z_loss: bool = False
     aux_scope: str = "local"               # local | global (over data parallelism, moepar.MoE's option)
     clip_grad: bool = False                # the global gradient norm: a scalar per group
@@ -153,8 +153,7 @@ class MoESpec:
         return self.layers - self.dense_layers
 
     @property
-    def hd(self) -> int:
-        """Head dim of q, k and v (not MLA)."""
+    def hd(self) -> int:   # head dim of q, k and v (not MLA)
         return self.head_dim or self.hidden // (self.heads or 1)
 
     @property
