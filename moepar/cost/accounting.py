@@ -27,6 +27,12 @@ Per step: gradients of dense parameters over dp, of expert parameters over edp: 
 (ZeRO 0), reduce-scatter + all-gather of the updated weights (ZeRO 1, 2), reduce-scatter +
 an all-gather of weights before forward and before backward of every micro-batch (ZeRO 3);
 with sequence parallelism the norms' gradients are first all-reduced over TP (L·2·D·b).
+Per micro-batch [vocab, tp>1]: the vocab-parallel embedding's all-reduce T·D·b forward (SP:
+reduce-scatter), the output layer's input-gradient all-reduce T·D·b backward (SP: gather +
+scatter), the cross-entropy's 3 all-reduces of T·4 forward. Per step: the grad-norm scalars
+(8 bytes over tp, ep, etp; ``clip_grad``) and the loss over dp (4 bytes; ``loss_allreduce``).
+Attention calls run in every block (``per="layer"``), MoE calls in the MoE blocks
+(``"moe_layer"``), a dense FFN's all-reduce each way in the dense ones (``"dense_layer"``).
 """
 from __future__ import annotations
 

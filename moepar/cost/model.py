@@ -479,7 +479,7 @@ def activation_bytes(spec: MoESpec, layout: CostLayout, routes: Routes | None = 
     # the expert outputs R x D, kept for the routing-weight gradient.
     experts = (layout.etp * r.max * D + r.max * spec.mats * spec.ffn + r.max * D) * b
     shared = spec.shared_experts * (t_sp * D + T * spec.mats * spec.fs // tp) * b
-    return spec.layers * (attn + router + experts + shared)
+    return spec.layers * attn + spec.moe_layers * (router + experts + shared)   # dense FFNs: not listed
 
 
 def memory_per_rank(spec: MoESpec, layout: CostLayout, params: Params | None = None,
