@@ -46,7 +46,8 @@ def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
                     return disp.combine(x_local, meta)
             fns.append(fn)
             cases.append((n, T, D, E))
-    measured = ctx.time_many(fns)
+    # calibrated all-to-all points timed in the same rounds: the rows' drift since calibration
+    measured = ctx.time_many(fns, [("all_to_all", n) for n in ctx.group_sizes])
     rows = []
     elem = ctx.bufs.elem
     for (n, T, D, E), m in zip(cases, measured):
@@ -55,7 +56,7 @@ def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
         pred = (ctx.predict("all_to_all", n, counts_bytes)[0] + 2 * ctx.predict("all_to_all", n, token_bytes)[0]
                 + row_pass_seconds(ctx.hardware, token_bytes))
         rows.append(Row("moe-dispatch", f"n={n} T={T} D={D} K={TOPK} E={E}", "moe_dispatch", n,
-                        token_bytes, pred, m))
+                        token_bytes, pred, m, drift=ctx.drift))
     return rows
 
 
