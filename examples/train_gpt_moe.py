@@ -161,6 +161,8 @@ def train(args) -> dict:
         metrics["resumed_at"] = start
         log(f"resumed from {path} (step {start})")
     all_events: list[comm.CommEvent] = []
+    rows_in = _watch_expert_rows(model)  # rows each MoE layer's experts got (the report's routing input)
+    received_rows = 0
     tokens_per_step = args.batch_size * args.context
     t_start = time.perf_counter()
     for step in range(start, args.steps):
@@ -178,9 +180,10 @@ def train(args) -> dict:
             moepar.clip_grad_norm_(model, args.clip, state)
             opt.step()
             opt.zero_grad(set_to_none=True)
+            loss = _mean_over_dp(ce, state)
         dt = time.perf_counter() - t0
         all_events.extend(events.events)
-        loss = _mean_over_dp(ce, state)
+        received_rows += sum(rows_in.values())
         moes = [m for m in model.modules() if isinstance(m, moepar.MoE)]
         dropped = sum(m.stats.dropped_fraction for m in moes) / max(1, len(moes))
         metrics["losses"].append(loss)
@@ -205,8 +208,21 @@ def train(args) -> dict:
     metrics["wall_seconds"] = time.perf_counter() - t_start
     if args.steps > start:
         checkpoint.save_checkpoint(ckpt_dir, args.steps, model, opt, {"metrics": metrics}, state)
+    metrics["received_rows"] = received_rows
     _finish(args, cfg, state, model, metrics, all_events, device, log)
     return metrics
+
+
+def _watch_expert_rows(model) -> dict:
+    """{MoE layer: rows its experts were given in its last forward}, kept by forward hooks
+    (a recomputation under --checkpoint-activations writes the same number again)."""
+    rows: dict = {}
+    for m in model.modules():
+        if isinstance(m, moepar.MoE):
+            def hook(module, inputs, output, key=m):
+                rows[key] = int(inputs[0].shape[0])
+            m.experts.register_forward_hook(hook)
+    return rows
 
 
 def _finish(args, cfg, state, model, metrics, events, device, log) -> None:
@@ -233,7 +249,8 @@ def _finish(args, cfg, state, model, metrics, events, device, log) -> None:
     if "sample" in metrics:
         log("== sample (prompt 'def '):\n" + metrics["sample"])
     if hardware is not None:
-        log(cost_report(args, cfg, state, model, events, len(losses) - metrics.get("resumed_at", 0), hardware))
+        log(cost_report(args, cfg, state, model, events, len(losses) - metrics.get("resumed_at", 0), hardware,
+                        metrics.get("received_rows")))
 
 
 def _report_hardware(args, state, log):
@@ -270,23 +287,40 @@ def _plot(args, metrics, log) -> None:
     log(f"wrote {path} and {os.path.join(args.out, 'metrics.json')}")
 
 
-def cost_report(args, cfg, state, model, events, steps, hardware) -> str:
-    """The cost model's report for this configuration, measured times beside predicted."""
-    from moepar.cost import CostLayout, MoESpec, imbalance_from_counts, measured_vs_predicted
+def run_spec(args, cfg, state, model, imbalance: float = 1.0):
+    """The cost model's description of this run's GPT-MoE, parameter for parameter: LayerNorms
+    (with bias), biased q/k/v/output and dense-MLP linears, a learned position table, GELU
+    (2-matrix) experts, three column-parallel attention inputs, the router's aux (and z)
+    statistics, the gradient-norm and loss reductions of the training step."""
+    from moepar.cost import MoESpec
+    moes = [m for m in model.modules() if isinstance(m, moepar.MoE)]
+    return MoESpec(hidden=cfg.hidden, ffn=cfg.expert_ffn, experts=cfg.experts, topk=cfg.topk,
+                   tokens=args.batch_size // state.dp_size * cfg.context,
+                   dtype="bf16" if torch.cuda.is_available() else "fp32",
+                   capacity_factor=cfg.capacity_factor, gated=False, layers=cfg.layers,
+                   dense_layers=cfg.layers - len(moes), dense_ffn=cfg.dense_ffn, heads=cfg.heads,
+                   vocab=cfg.vocab_size, seq_len=cfg.context, imbalance=max(1.0, imbalance),
+                   norm_bias=True, attn_bias="all", mlp_bias=True, pos_embeddings=cfg.context, qkv_linears=3,
+                   aux_loss=cfg.aux_loss_coeff > 0, z_loss=cfg.z_loss_coeff > 0, aux_scope=cfg.aux_loss_scope,
+                   clip_grad=True, loss_allreduce=True)
+
+
+def cost_report(args, cfg, state, model, events, steps, hardware, received_rows=None) -> str:
+    """The cost model's report for this configuration, and every collective the run
+    recorded beside the model's calls, bytes and time for the same steps."""
+    from moepar.cost import CostLayout, imbalance_from_counts
     from moepar.cost.report import report_for
+    from moepar.cost.run_report import compare_run, render_run
     moes = [m for m in model.modules() if isinstance(m, moepar.MoE)]
     counts = sum(m.stats.tokens_per_expert.double() for m in moes).tolist() if moes else None
     imbalance = imbalance_from_counts(counts, state.ep_size) if counts and sum(counts) else 1.0
-    spec = MoESpec(hidden=cfg.hidden, ffn=cfg.expert_ffn, experts=cfg.experts, topk=cfg.topk,
-                   tokens=args.batch_size // state.dp_size * cfg.context,
-                   dtype="bf16" if torch.cuda.is_available() else "fp32",
-                   capacity_factor=cfg.capacity_factor, gated=False, layers=len(moes), heads=cfg.heads,
-                   vocab=cfg.vocab_size, seq_len=cfg.context, imbalance=max(1.0, imbalance))
+    spec = run_spec(args, cfg, state, model, imbalance)
     layout = CostLayout(gpus=state.world_size, gpus_per_node=hardware.gpus_per_node, tp=state.tp_size,
                         ep=state.ep_size, etp=state.etp_size, sp=cfg.sequence_parallel)
+    rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows)
     return "\n".join(["", "== communication cost report for this run " + "=" * 30,
                       report_for(spec, layout, hardware), "",
-                      measured_vs_predicted(spec, layout, hardware, events, steps=max(1, steps))])
+                      render_run(rows, hardware, layout, max(1, steps))])
 
 
 def main(argv: list[str] | None = None) -> int:

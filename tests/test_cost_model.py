@@ -145,7 +145,10 @@ def test_tp_ep_etp_layer_collectives():
     assert "MoE TP gather" not in names and "attention output" not in names
     assert {"attention SP gather", "attention SP scatter", "shared experts SP scatter",
             "aux-loss statistics"} <= names
-    assert [c for c in sp if c.name == "aux-loss statistics"][0].nbytes == 3 * 8 * 4
+    # the router's two reductions (moepar/moe/router.py _losses): E fp32 score sums, E + 1
+    # int64 counts (the token count last); the old single 3·E·4 call was not what it issues
+    assert [c for c in sp if c.name == "aux-loss statistics"][0].nbytes == 8 * 4
+    assert [c for c in sp if c.name == "aux-loss counts"][0].nbytes == 9 * 8
     counts = [c for c in sp if c.name == "shared experts SP token counts"]
     assert [(c.op, c.phase, c.nbytes) for c in counts] == [("all_gather", "fwd", 2 * 8)]
 

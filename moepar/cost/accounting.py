@@ -40,6 +40,13 @@ Two bounds on the step: no overlap (communication + compute), and ideal overlap:
 data-parallel gradient reduction hidden behind the backward that produces it (the last
 micro-batch's for ZeRO 0/1, each micro-batch's for ZeRO 2/3) and shared experts' compute
 behind the MoE all-to-alls of the same phase.
+
+Per micro-batch [vocab, tp>1]: the vocab-parallel embedding's all-reduce T·D·b forward (SP:
+reduce-scatter), the output layer's input-gradient all-reduce T·D·b backward (SP: gather +
+scatter), the cross-entropy's 3 all-reduces of T·4 forward. Per step: the grad-norm scalars
+(8 bytes over tp, ep, etp; ``clip_grad``) and the loss over dp (4 bytes; ``loss_allreduce``).
+Attention calls run in every block (``per="layer"``), MoE calls in the MoE blocks
+(``"moe_layer"``), a dense FFN's all-reduce each way in the dense ones (``"dense_layer"``).
 """
 from __future__ import annotations
 
@@ -131,11 +138,15 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
     rows_out, out_formula = rows_of(w.combine)     # expert outputs: combine, dispatch-grad
     for phase in ("fwd", "bwd"):
         # attention block, Megatron tensor parallel
+        # backward: one all-reduce (SP: reduce-scatter) per column-parallel input linear
+        n_in = spec.qkv_linears if phase == "bwd" else 1
         if tp > 1 and not sp:
-            add("attention output", "all_reduce", "tp", phase, T * D * b, "T·D·b")
+            add("attention output" if phase == "fwd" else "attention input grad", "all_reduce", "tp", phase,
+                T * D * b, "T·D·b", count=n_in)
         elif tp > 1:
-            add("attention SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
-            add("attention SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
+            add("attention SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b",
+                count=spec.qkv_linears if phase == "fwd" else 1)
+            add("attention SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b", count=n_in)
         if ep > 1 and phase == "fwd":
             add("MoE counts", "all_to_all", "ep", phase, counts_message.message_bytes(E, ep),
                 f"ep·(E/ep+{len(counts_message.FIELDS)})·8")
@@ -166,9 +177,34 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                 add("shared experts SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
             else:
                 add("shared experts", "all_reduce", "tp", phase, T * D * b, "T·D·b")
-        if sp and tp > 1 and phase == "fwd":
-            add("aux-loss statistics", "all_reduce", "tp", phase, 3 * E * FP32, "3·E·4")
+        aux_group = ({"global": "world" if sp else "dp", "local": "tp" if sp else None}[spec.aux_scope]
+                     if spec.aux_loss or spec.z_loss else None)
+        if phase == "fwd" and aux_group and layout.size(aux_group) > 1:
+            # the router's sums over the group's tokens: fp32 score sums (E) and logsumexp^2
+            # (1), int64 routes per expert (E) and the token count (1)
+            n_f, n_i = E * spec.aux_loss + spec.z_loss, E * spec.aux_loss + 1
+            add("aux-loss statistics", "all_reduce", aux_group, phase, n_f * FP32, f"{n_f}·4")
+            add("aux-loss counts", "all_reduce", aux_group, phase, n_i * INT64, f"{n_i}·8")
+    # Everything but attention runs in the MoE blocks only; the dense blocks' FFN (first-k
+    # dense, sparse step) is a Megatron MLP: an all-reduce each way (SP: gather + scatter).
+    calls = [c if c.name.startswith("attention") else dataclasses.replace(c, per="moe_layer") for c in calls]
+    if spec.dense_layers and tp > 1:
+        for phase in ("fwd", "bwd"):
+            if sp:
+                add("dense FFN SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
+                add("dense FFN SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
+            else:
+                add("dense FFN", "all_reduce", "tp", phase, T * D * b, "T·D·b")
+        calls = [c if not c.name.startswith("dense FFN") else dataclasses.replace(c, per="dense_layer")
+                 for c in calls]
     return calls
+
+
+def calls_per_step(call: Call, spec: MoESpec) -> int:
+    """How many times a step issues ``call``: per (MoE / dense) layer and micro-batch, or per step."""
+    layers = {"layer": spec.layers, "moe_layer": spec.moe_layers, "dense_layer": spec.dense_layers,
+              "step": 0}[call.per]
+    return call.count * (layers * spec.micro_batches if call.per != "step" else 1)
 
 
 def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params | None = None,
@@ -177,6 +213,14 @@ def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params |
     p = params or count_params(spec, layout)
     gb = wire_bytes(spec).param if grad_bytes is None else grad_bytes
     out: list[Call] = []
+
+    def once(name, op, group, phase, nbytes, formula, count=1):
+        pl = layout.placement(group)
+        if pl.size > 1:
+            algo = ar_algo if op == "all_reduce" else "ring"
+            out.append(Call(name, op, algo, group, pl.size, phase, float(nbytes), count,
+                            hw.collective_time(op, pl, nbytes, algo), sent_bytes(op, pl, nbytes, algo),
+                            formula, per="step"))
     if layout.sp and layout.tp > 1:
         pl = layout.placement("tp")
         nbytes = spec.layers * p.norms * gb
@@ -207,6 +251,23 @@ def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params |
                 add(f"{label} updated weights", "all_gather", "step", 1)
             else:
                 add(f"{label} weights (ZeRO-3, fwd+bwd)", "all_gather", "step", 2 * spec.micro_batches)
+    # Vocab-parallel embedding, output layer and cross-entropy, once per micro-batch
+    T, D, mb = spec.tokens, spec.hidden, spec.micro_batches
+    if spec.vocab:
+        if layout.sp:
+            once("embedding SP scatter", "reduce_scatter", "tp", "fwd", T * D * spec.b, "T·D·b", mb)
+            once("output layer SP gather", "all_gather", "tp", "fwd", T * D * spec.b, "T·D·b", mb)
+            once("output layer SP scatter", "reduce_scatter", "tp", "bwd", T * D * spec.b, "T·D·b", mb)
+        else:
+            once("embedding", "all_reduce", "tp", "fwd", T * D * spec.b, "T·D·b", mb)
+            once("output layer input grad", "all_reduce", "tp", "bwd", T * D * spec.b, "T·D·b", mb)
+        # max, target logit and sum of exponentials over the vocab slices, fp32 per token
+        once("cross-entropy", "all_reduce", "tp", "fwd", T * FP32, "T·4", 3 * mb)
+    if spec.clip_grad:   # squared norms: fp64 scalars (dense over TP, experts over EP and ETP)
+        for group in ("tp", "ep", "etp"):
+            once(f"grad norm ({group})", "all_reduce", group, "step", 8, "8")
+    if spec.loss_allreduce:
+        once("loss", "all_reduce", "dp", "step", FP32, "4")
     return out
 
 
@@ -231,8 +292,7 @@ class StepCost:
 
     @property
     def comm_per_step(self) -> float:
-        return (self.comm_per_layer * self.spec.layers * self.spec.micro_batches
-                + sum(c.total_seconds for c in self.step))
+        return sum(c.seconds * calls_per_step(c, self.spec) for c in self.layer + self.step)
 
     @property
     def rate(self) -> float:

@@ -267,6 +267,11 @@ def calibrate(sizes: Sequence[int] | None = None, group_sizes: Sequence[int] | N
                 log(f"{op:>14} n={n}: alpha {alpha * 1e6:8.1f} us, busbw {c.busbw / 1e9:7.3f} GB/s "
                     f"({len(sizes)} sizes)")
     rate = flop_rate(dev)
+    row_passes = calibrate_row_passes([s for s in sizes if s <= 16 * MiB][::2] or sizes[:1], repeats, warmup,
+                                      tdtype, dev)
+    if log and rank == 0:
+        log(f"local row passes (permute + unpermute): {row_passes['latency'] * 1e6:.1f} us + "
+            f"{row_passes['bytes_per_s'] / 1e9:.3g} GB/s of routed rows")
     backend = dist.get_backend()
     link = fit_link(curves, f"{backend} measured")
     gpn = int(os.environ.get("LOCAL_WORLD_SIZE", world))
@@ -274,12 +279,54 @@ def calibrate(sizes: Sequence[int] | None = None, group_sizes: Sequence[int] | N
             "load_average": load_average(),
             "machine": machine_description(), "torch": torch.__version__, "repeats": repeats,
             "group_sizes": group_sizes, "sizes": sizes, "seconds": round(time.perf_counter() - t_start, 1),
+            "row_passes": row_passes,
             "note": ("measured on one node: the inter-node link is set equal to the intra-node one"
                      if gpn >= world else "groups larger than a node were measured but only "
                      "single-node curves price collectives; the link fit mixes both")}
     return Hardware(f"{backend}-{world}ranks", f"calibrated {backend}, {world} ranks on {meta['machine']}",
                     link, link, gpn, rate, memory_per_rank(dev), 0.0,
                     (f"measured {meta['date']} by `python -m moepar calibrate`",), curves, meta)
+
+
+ROW_PASS_D, ROW_PASS_K, ROW_PASS_E = 256, 2, 4
+
+
+def row_pass_fn(nbytes: int, dtype: torch.dtype, dev: torch.device) -> Callable[[], object]:
+    """The dispatcher's local passes over ``nbytes`` of routed rows (N = T·K rows of D):
+    the expert-major permute (gather) and the weighted unpermute (scatter-combine) of
+    moepar_kernels, on uniform random top-K routing; no communication."""
+    from moepar_kernels.permute import permute, unpermute
+    elem = torch.empty((), dtype=dtype).element_size()
+    T = max(1, nbytes // (ROW_PASS_K * ROW_PASS_D * elem))
+    gen = torch.Generator().manual_seed(T)
+    x = torch.randn(T, ROW_PASS_D, generator=gen).to(dtype=dtype, device=dev)
+    ids = torch.rand(T, ROW_PASS_E, generator=gen).argsort(-1)[:, :ROW_PASS_K].to(dev)
+    w = torch.full((T, ROW_PASS_K), 1.0 / ROW_PASS_K, device=dev)
+
+    def fn():
+        x_ND, _, row_map = permute(x, ids, None, ROW_PASS_E)
+        return unpermute(x_ND, row_map, w, T)
+    return fn
+
+
+def calibrate_row_passes(sizes: Sequence[int], repeats: int, warmup: int, dtype: torch.dtype,
+                         dev: torch.device) -> dict:
+    """Seconds of one permute + unpermute against the rows' bytes, every rank at once (as in
+    a dispatch); a line ``latency + bytes / bytes_per_s`` fitted as the collectives are."""
+    secs = time_interleaved([row_pass_fn(s, dtype, dev) for s in sizes], repeats, warmup, dev)
+    alpha, beta = fit_alpha_beta(sizes, secs)
+    return {"what": "moepar_kernels permute + weighted unpermute of N = T·K rows (K=2), all ranks at once",
+            "latency": alpha, "bytes_per_s": 1.0 / beta if beta > 0 else float("inf"),
+            "sizes": list(sizes), "seconds": secs}
+
+
+def row_pass_seconds(hw: Hardware, nbytes: float) -> float:
+    """The calibrated time of the local passes (permute + unpermute) over ``nbytes`` of
+    routed rows; 0 for a profile without the measurement (presets, older profiles)."""
+    rp = hw.meta.get("row_passes")
+    if not rp or nbytes <= 0:
+        return 0.0
+    return float(rp["latency"]) + nbytes / float(rp["bytes_per_s"])
 
 
 def bus_bandwidth_table(hw: Hardware) -> list[dict]:

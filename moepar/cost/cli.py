@@ -15,6 +15,7 @@ from typing import Callable
 
 from .accounting import DEFAULT_COMPUTE_EFFICIENCY
 from .collectives import ALGOS, OPS
+from .architectures import MODEL_TYPES, spec_fields_from_file
 from .hardware import PRESETS, Hardware, get_hardware, save_profile
 from .model import MODELS, CostLayout, MoESpec, imbalance_from_counts
 from .units import fmt_bytes, fmt_time
@@ -65,6 +66,8 @@ def _int_list(text: str) -> list[int]:
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--model", choices=sorted(MODELS), help="a public configuration (explicit flags override it)")
+    g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (model types: "
+                                                       f"{', '.join(MODEL_TYPES)}); explicit flags override it")
     g.add_argument("--hidden", type=int, help="D, model width")
     g.add_argument("--ffn", type=int, help="F, expert hidden width")
     g.add_argument("--experts", type=int, help="E, experts per layer")
@@ -74,7 +77,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--capacity-factor", type=float, help="capacity mode (default: dropless)")
     g.add_argument("--min-capacity", type=int, default=4)
     g.add_argument("--pad-to-capacity", action="store_true", help="send E·C rows whatever the routing")
-    g.add_argument("--shared-experts", type=int, default=0)
+    g.add_argument("--shared-experts", type=int, help="default 0, or the --model's / --hf-config's")
     g.add_argument("--shared-ffn", type=int, help="shared experts' ffn (default --ffn)")
     g.add_argument("--plain-mlp", action="store_true", help="2-matrix experts instead of SwiGLU's 3")
     g.add_argument("--layers", type=int, help="transformer blocks (default 1, or the --model's)")
@@ -126,21 +129,30 @@ def hardware_from_args(a: argparse.Namespace) -> Hardware:
 
 
 def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
+    if a.model and getattr(a, "hf_config", None):
+        raise ValueError("pass --model or --hf-config, not both")
     base = dict(MODELS[a.model]) if a.model else {}
+    if getattr(a, "hf_config", None):
+        base = spec_fields_from_file(a.hf_config)
     for k in MODEL_FIELDS:
         if getattr(a, k) is not None:
             base[k] = getattr(a, k)
     missing = [f"--{k}" for k in ("hidden", "ffn", "experts", "topk") if k not in base]
     if missing:
-        raise ValueError(f"missing {', '.join(missing)} (or pass --model, one of: {', '.join(sorted(MODELS))})")
+        raise ValueError(f"missing {', '.join(missing)} (or pass --hf-config, or --model, one of: "
+                         f"{', '.join(sorted(MODELS))})")
     imbalance = a.imbalance
     if not (math.isfinite(imbalance) and imbalance >= 1):
         raise ValueError(f"--imbalance {imbalance} must be a finite number >= 1 (max/mean routes per EP rank)")
     if a.routing_counts:
         imbalance = _imbalance_from_file(a.routing_counts, base["experts"], ep)
+    for k, v in (("shared_experts", a.shared_experts), ("shared_ffn", a.shared_ffn)):
+        if v is not None:
+            base[k] = v
+    if a.plain_mlp:
+        base["gated"] = False
     return MoESpec(tokens=a.tokens, dtype=a.dtype, capacity_factor=a.capacity_factor,
                    min_capacity=a.min_capacity, pad_to_capacity=a.pad_to_capacity,
-                   shared_experts=a.shared_experts, shared_ffn=a.shared_ffn, gated=not a.plain_mlp,
                    seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches,
                    dedup=getattr(a, "dedup", "auto"), dispatch_dtype=getattr(a, "dispatch_dtype", None),
                    combine_dtype=getattr(a, "combine_dtype", None), **base)

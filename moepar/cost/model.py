@@ -20,16 +20,14 @@ import dataclasses
 import math
 
 from ..parallel.groups import Layout
+from .architectures import presets
 from .collectives import Placement
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 ADAM_BYTES_PER_PARAM = 12   # fp32 master weights + Adam m and v (ZeRO paper's K = 12)
 
-# Public model shapes, for ``--model``: Mixtral-8x7B's config.json (mistralai/Mixtral-8x7B-v0.1).
-MODELS = {
-    "mixtral-8x7b": dict(hidden=4096, ffn=14336, experts=8, topk=2, layers=32, heads=32,
-                         kv_heads=8, vocab=32000),
-}
+# Public model shapes for ``--model``, read from their config.json fields (architectures.py).
+MODELS = presets()
 
 
 def _positive(**values) -> None:
@@ -75,6 +73,32 @@ class MoESpec:
     dedup: str = "auto"                    # one dispatch row per token and EP rank: auto | on | off
     dispatch_dtype: str | None = None      # dispatch all-to-alls' rows (default: fp8 for dtype fp8, else dtype)
     combine_dtype: str | None = None       # combine all-to-alls' rows (default: bf16 for dtype fp8, else dtype)
+    # -- real architectures (moepar.cost.architectures reads them from a HF config.json) --
+    dense_layers: int = 0                  # of ``layers``, blocks with a dense FFN (first-k dense, sparse step)
+    dense_ffn: int | None = None           # their FFN width (default: ffn)
+    head_dim: int | None = None            # default hidden / heads
+    q_lora_rank: int | None = None         # MLA (DeepSeek-V2/V3): query down-projection rank (None: full q)
+    kv_lora_rank: int | None = None        # MLA when set: the compressed KV rank
+    qk_nope_dim: int = 0                   # MLA per-head q/k dims without and with RoPE, value dim
+    qk_rope_dim: int = 0
+    v_head_dim: int = 0
+    attn_bias: str = "none"                # none | qkv (Qwen2, GLM-4.5) | all (q, k, v and output: gpt-oss)
+    qk_norm: str = "none"                  # none | head (RMSNorm over head_dim: Qwen3) | full (over H·hd: OLMoE)
+    attn_sinks: bool = False               # one learned logit per head (gpt-oss)
+    norm_bias: bool = False                # LayerNorm (weight + bias) instead of RMSNorm
+    router_bias: bool = False              # E router biases (gpt-oss; DeepSeek-V3's score-correction bias)
+    expert_bias: bool = False              # expert FFN biases (gpt-oss)
+    mlp_bias: bool = False                 # dense FFN biases
+    shared_gate: bool = False              # Qwen2-MoE: a D -> 1 sigmoid gate on the shared expert
+    pos_embeddings: int = 0                # learned position table rows (GPT-2 style)
+    mtp_layers: int = 0                    # multi-token-prediction modules (counted apart from total)
+    # -- collectives of a training step beyond the blocks (the run report counts them) --
+    qkv_linears: int = 1                   # column-parallel input linears of attention (fused QKV: 1)
+    aux_loss: bool = True                  # the router's load-balancing statistics (moepar.MoE's defaults)
+    z_loss: bool = False
+    aux_scope: str = "local"               # local | global (over data parallelism, moepar.MoE's option)
+    clip_grad: bool = False                # the global gradient norm: a scalar per group
+    loss_allreduce: bool = False           # the step's loss averaged over dp (logging)
 
     def __post_init__(self) -> None:
         _positive(hidden=self.hidden, ffn=self.ffn, experts=self.experts, topk=self.topk,
@@ -95,8 +119,23 @@ class MoESpec:
             raise ValueError(f"imbalance={self.imbalance} must be >= 1 (max/mean tokens per rank)")
         if self.dedup not in ("auto", "on", "off"):
             raise ValueError(f"dedup={self.dedup!r} must be one of auto, on, off")
-        if self.heads is not None and self.hidden % self.heads:
-            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads}")
+        _positive(head_dim=self.head_dim, dense_ffn=self.dense_ffn, q_lora_rank=self.q_lora_rank,
+                  kv_lora_rank=self.kv_lora_rank, qkv_linears=self.qkv_linears)
+        _non_negative(dense_layers=self.dense_layers, qk_nope_dim=self.qk_nope_dim, qk_rope_dim=self.qk_rope_dim,
+                      v_head_dim=self.v_head_dim, pos_embeddings=self.pos_embeddings, mtp_layers=self.mtp_layers)
+        for name, value, valid in (("attn_bias", self.attn_bias, ("none", "qkv", "all")),
+                                   ("qk_norm", self.qk_norm, ("none", "head", "full")),
+                                   ("aux_scope", self.aux_scope, ("local", "global"))):
+            if value not in valid:
+                raise ValueError(f"{name}={value!r} must be one of {', '.join(valid)}")
+        if self.dense_layers > self.layers:
+            raise ValueError(f"dense_layers={self.dense_layers} must be <= layers={self.layers}")
+        if self.kv_lora_rank is not None and (self.heads is None or not self.qk_nope_dim + self.qk_rope_dim
+                                              or not self.v_head_dim):
+            raise ValueError("MLA (kv_lora_rank set) needs heads, qk_nope_dim + qk_rope_dim > 0 and v_head_dim > 0")
+        if (self.heads is not None and self.head_dim is None and self.kv_lora_rank is None
+                and self.hidden % self.heads):
+            raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads} (or give head_dim)")
         if self.kv_heads is not None and (self.heads is None or self.heads % self.kv_heads):
             raise ValueError(f"heads={self.heads} must be given and divisible by kv_heads={self.kv_heads}")
 
@@ -112,6 +151,14 @@ class MoESpec:
     @property
     def mats(self) -> int:
         return 3 if self.gated else 2
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.dense_layers
+
+    @property
+    def hd(self) -> int:   # head dim of q, k and v (not MLA)
+        return self.head_dim or self.hidden // (self.heads or 1)
 
     @property
     def dropless(self) -> bool:
@@ -163,12 +210,15 @@ class CostLayout:
         return max(1, self.gpus // self.gpus_per_node)
 
     def size(self, kind: str) -> int:
-        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "etp": self.etp, "edp": self.edp}[kind]
+        return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "etp": self.etp, "edp": self.edp,
+                "world": self.gpus}[kind]
 
     def placement(self, kind: str) -> Placement:
         """Where the first group of this kind sits (``moepar.parallel.groups`` rank order)."""
         if self.size(kind) == 1:
             return Placement(1, 1)
+        if kind == "world":
+            return Placement.contiguous(self.gpus, self.gpus_per_node)
         ranks = Layout(self.gpus, self.tp, self.ep, self.etp).all_groups()[kind][0]
         return Placement.of_ranks(ranks, self.gpus_per_node)
 
@@ -202,7 +252,10 @@ def check_fits(spec: MoESpec, layout: CostLayout) -> None:
     need(spec.tokens, "tokens", layout.tp, "tp")
     if spec.heads is not None:
         need(spec.heads, "heads", layout.tp, "tp")
-        need(spec.kv_heads or spec.heads, "kv_heads", layout.tp, "tp")
+        if spec.kv_lora_rank is None:
+            need(spec.kv_heads or spec.heads, "kv_heads", layout.tp, "tp")
+    if spec.dense_layers:
+        need(spec.dense_ffn or spec.ffn, "dense_ffn", layout.tp, "tp")
     if spec.shared_experts:
         need(spec.fs, "shared_ffn", layout.tp, "tp")
     if problems:
@@ -213,46 +266,92 @@ def check_fits(spec: MoESpec, layout: CostLayout) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class Params:
-    """Parameter counts: per layer pieces, whole model, and this rank's share."""
+    """Parameter counts: per layer pieces, whole model, and this rank's share.
 
-    attention: int       # per layer
-    router: int          # per layer
-    norms: int           # per layer
+    ``total`` and ``active`` cover the main model, input and output embeddings included
+    (as the Mixtral, Qwen and DeepSeek cards count), not the MTP modules (``mtp``).
+    ``active``: the parameters one token's forward uses: every non-expert parameter, the
+    shared experts and K routed experts per MoE layer, the whole embedding tables."""
+
+    attention: int       # per layer (norms of MLA's low-rank paths and q/k norms included)
+    router: int          # per MoE layer (and its bias)
+    norms: int           # per layer: the two pre-norms
     expert: int          # one expert
-    shared: int          # all shared experts of a layer
-    embeddings: int      # input + output (once if tied)
+    shared: int          # all shared experts of an MoE layer (and Qwen2's shared gate)
+    embeddings: int      # input + output (once if tied) + position table
     final_norm: int
     total: int
-    active: int          # parameters one token touches (K experts, not E)
+    active: int
     dense_rank: int
     expert_rank: int
+    dense_ffn: int = 0   # the FFN of one dense layer
+    input_embedding: int = 0
+    mtp: int = 0         # multi-token-prediction modules (embeddings and head shared)
 
     @property
     def rank(self) -> int:
         return self.dense_rank + self.expert_rank
 
+    @property
+    def active_without_input_embedding(self) -> int:   # as DeepSeek's and OpenAI's cards count
+        return self.active - self.input_embedding
+
+
+def _attention_params(spec: MoESpec) -> tuple[int, int]:
+    """(parameters of one attention block, those of them replicated over TP)."""
+    D, H = spec.hidden, spec.heads
+    if H is None:
+        return 4 * D * D, 0
+    if spec.kv_lora_rank is not None:   # MLA: low-rank q (optional) and joint kv compression
+        qk, r, c = spec.qk_nope_dim + spec.qk_rope_dim, spec.q_lora_rank, spec.kv_lora_rank
+        q = D * H * qk if r is None else D * r + r + r * H * qk       # (down, its norm, up)
+        kv = D * (c + spec.qk_rope_dim) + c + c * H * (spec.qk_nope_dim + spec.v_head_dim)
+        return q + kv + H * spec.v_head_dim * D, 0
+    hd, kv_heads = spec.hd, spec.kv_heads or H
+    q, kv = H * hd, kv_heads * hd
+    n = 2 * D * q + 2 * D * kv                                        # q, o: D x H·hd; k, v: D x Hkv·hd
+    replicated = 0
+    if spec.attn_bias != "none":
+        n += q + 2 * kv
+    if spec.attn_bias == "all":
+        n += D
+        replicated += D                                               # row-parallel output bias
+    if spec.qk_norm == "head":
+        n += 2 * hd
+        replicated += 2 * hd
+    elif spec.qk_norm == "full":
+        n += q + kv
+    return n + (H if spec.attn_sinks else 0), replicated
+
 
 def count_params(spec: MoESpec, layout: CostLayout) -> Params:
-    D, L = spec.hidden, spec.layers
-    if spec.heads is None:
-        attention = 4 * D * D
-    else:
-        kv_dim = (spec.kv_heads or spec.heads) * (D // spec.heads)
-        attention = 2 * D * D + 2 * D * kv_dim           # q, o: D x D; k, v: D x kv_dim
-    router = D * spec.experts
-    norms = 2 * D
-    expert = spec.mats * D * spec.ffn
-    shared = spec.shared_experts * spec.mats * D * spec.fs
-    embeddings = spec.vocab * D * (1 if spec.tie_embeddings else 2)
-    final_norm = D if spec.vocab else 0
-    dense_layer = attention + router + norms + shared
-    total = L * (dense_layer + spec.experts * expert) + embeddings + final_norm
-    active = L * (dense_layer + spec.topk * expert) + embeddings + final_norm
-    dense_rank = (L * (attention // layout.tp + router + norms + shared // layout.tp)
-                  + embeddings // layout.tp + final_norm)
-    expert_rank = L * (spec.experts // layout.ep) * (expert // layout.etp)
+    D, L, Lm, Ld, tp = spec.hidden, spec.layers, spec.moe_layers, spec.dense_layers, layout.tp
+    attention, attn_replicated = _attention_params(spec)
+    router = D * spec.experts + (spec.experts if spec.router_bias else 0)
+    norm = D * (2 if spec.norm_bias else 1)
+    norms = 2 * norm
+    up = (2 if spec.gated else 1)                                     # column-parallel outputs per F
+    expert = spec.mats * D * spec.ffn + ((up * spec.ffn + D) if spec.expert_bias else 0)
+    gate = D if spec.shared_gate else 0
+    shared = spec.shared_experts * spec.mats * D * spec.fs + gate
+    Fd = spec.dense_ffn or spec.ffn
+    dense_ffn = spec.mats * D * Fd + ((up * Fd + D) if spec.mlp_bias else 0)
+    dense_ffn_rank = (dense_ffn - D * spec.mlp_bias) // tp + D * spec.mlp_bias   # row bias replicated
+    input_embedding = spec.vocab * D
+    embeddings = input_embedding * (1 if spec.tie_embeddings else 2) + spec.pos_embeddings * D
+    final_norm = norm if spec.vocab else 0
+    blocks = L * (attention + norms) + Ld * dense_ffn
+    total = blocks + Lm * (router + shared + spec.experts * expert) + embeddings + final_norm
+    active = blocks + Lm * (router + shared + spec.topk * expert) + embeddings + final_norm
+    # MTP module (DeepSeek-V3): two norms, a 2D x D projection, one MoE block, the head's norm
+    mtp = spec.mtp_layers * (3 * norm + 2 * D * D + attention + norms + router + shared + spec.experts * expert)
+    attention_rank = (attention - attn_replicated) // tp + attn_replicated
+    dense_rank = (L * (attention_rank + norms) + Ld * dense_ffn_rank
+                  + Lm * (router + (shared - gate) // tp + gate)
+                  + (embeddings - spec.pos_embeddings * D) // tp + spec.pos_embeddings * D + final_norm)
+    expert_rank = Lm * (spec.experts // layout.ep) * (expert // layout.etp)
     return Params(attention, router, norms, expert, shared, embeddings, final_norm, total, active,
-                  dense_rank, expert_rank)
+                  dense_rank, expert_rank, dense_ffn, input_embedding, mtp)
 
 
 # ---- routes ---------------------------------------------------------------------------
@@ -329,16 +428,23 @@ def count_flops(spec: MoESpec, layout: CostLayout, params: Params | None = None,
                 routes: Routes | None = None) -> Flops:
     p = params or count_params(spec, layout)
     r = routes or routes_per_rank(spec, layout)
-    D, L, T, tp = spec.hidden, spec.layers, spec.tokens, layout.tp
+    D, L, Lm, T, tp = spec.hidden, spec.layers, spec.moe_layers, spec.tokens, layout.tp
     lm_head = spec.vocab * D
-    score = 12 * L * spec.seq_len * D if spec.seq_len else 0      # QK^T and AV, fwd + bwd
-    per_token = 6 * (L * (p.attention + p.router + p.shared + spec.topk * p.expert) + lm_head) + score
+    # QK^T and AV, fwd + bwd: 6·seq·H·(qk + v) per token and layer (12·seq·D for plain MHA)
+    if spec.kv_lora_rank is not None:
+        qk_v = spec.heads * (spec.qk_nope_dim + spec.qk_rope_dim + spec.v_head_dim)
+    else:
+        qk_v = 2 * spec.heads * spec.hd if spec.heads else 2 * D
+    score = 6 * L * spec.seq_len * qk_v if spec.seq_len else 0
+    dense_blocks = L * p.attention + spec.dense_layers * p.dense_ffn
+    per_token = 6 * (dense_blocks + Lm * (p.router + p.shared + spec.topk * p.expert) + lm_head) + score
     # Dense work: every TP rank multiplies the group's T tokens by 1/tp of the weights; the
     # router is replicated, on T tokens (T/tp with sequence parallelism).
     t_router = T // tp if layout.sp else T
-    dense = 6 * T * (L * (p.attention + p.shared) + lm_head) / tp + 6 * t_router * L * p.router + score * T / tp
-    expert_mean = 6 * r.mean * L * p.expert
-    expert_max = 6 * r.max * L * p.expert
+    dense = (6 * T * (dense_blocks + Lm * p.shared + lm_head) / tp + 6 * t_router * Lm * p.router
+             + score * T / tp)
+    expert_mean = 6 * r.mean * Lm * p.expert
+    expert_max = 6 * r.max * Lm * p.expert
     rank_max = dense + expert_max
     return Flops(per_token, per_token * T * layout.dp, dense + expert_mean, rank_max, expert_max,
                  rank_max * tp * layout.dp, rank_max * spec.micro_batches)
@@ -377,7 +483,7 @@ def activation_bytes(spec: MoESpec, layout: CostLayout, routes: Routes | None = 
     # the expert outputs R x D, kept for the routing-weight gradient.
     experts = (layout.etp * r.max * D + r.max * spec.mats * spec.ffn + r.max * D) * b
     shared = spec.shared_experts * (t_sp * D + T * spec.mats * spec.fs // tp) * b
-    return spec.layers * (attn + router + experts + shared)
+    return spec.layers * attn + spec.moe_layers * (router + experts + shared)   # dense FFNs: not listed
 
 
 def memory_per_rank(spec: MoESpec, layout: CostLayout, params: Params | None = None,

@@ -11,7 +11,7 @@ import math
 from typing import Iterable, Sequence
 
 from ..tables import format_table
-from .accounting import StepCost, step_cost
+from .accounting import StepCost, calls_per_step, step_cost
 from .collectives import Placement
 from .compare import crossover_topk, ep_vs_tp, sweep
 from .hardware import Hardware
@@ -274,10 +274,9 @@ def measured_vs_predicted(spec: MoESpec, layout: CostLayout, hardware: Hardware,
         row["measured"] += e.seconds
         row["predicted"] += hardware.collective_time(e.op, _placement_for(layout, e.group_size), e.nbytes)
     cost = step_cost(spec, layout, hardware)
-    reps = spec.layers * spec.micro_batches * steps
     for c in cost.layer + cost.step:
-        k = c.count * (reps if c.per == "layer" else steps)
-        phase = c.phase if c.phase != "step" else "bwd"
+        k = calls_per_step(c, spec) * steps
+        phase = c.phase if c.phase != "step" else "fwd"   # issued after backward, outside autograd
         row = agg.setdefault((c.op, c.group_size, phase), {"calls": 0, "bytes": 0.0, "measured": 0.0,
                                                           "predicted": 0.0, "model_calls": 0, "model_bytes": 0.0})
         row["model_calls"] += k

@@ -4,15 +4,18 @@ Each row times ``Dispatcher.dispatch`` + ``combine`` (forward: the counts all-to
 token all-to-all and the one back, plus the local permute/regroup/unpermute they need) on
 an EP group of n ranks with uniform random top-k routing, and compares it with what the
 cost model prices for the same layer: the counts all-to-all (ep·(E/ep+9)·8 bytes) and two
-token all-to-alls of R·D·b. The model prices communication only, so the local work is
-the expected gap; rows carry op "moe_dispatch" to keep their error apart from the plain
-collectives' medians.
+token all-to-alls of R·D·b, plus the dispatcher's local passes over the R = T·K rows
+(the permute before and the weighted unpermute after), priced with the memory-bandwidth
+line ``calibrate`` fits to exactly those passes (``row_pass_seconds``; profiles without
+it price communication only). Rows carry op "moe_dispatch" to keep their error apart from
+the plain collectives' medians.
 """
 from __future__ import annotations
 
 import torch
 
 from ..moe.dispatcher import Dispatcher
+from .calibrate import row_pass_seconds
 from .validate import Row, ValidationContext, register_row_source
 
 CASES = ((1024, 256), (4096, 256), (2048, 1024), (8192, 512))   # (T tokens per rank, D)
@@ -43,15 +46,17 @@ def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
                     return disp.combine(x_local, meta)
             fns.append(fn)
             cases.append((n, T, D, E))
-    measured = ctx.time_many(fns)
+    # calibrated all-to-all points timed in the same rounds: the rows' drift since calibration
+    measured = ctx.time_many(fns, [("all_to_all", n) for n in ctx.group_sizes])
     rows = []
     elem = ctx.bufs.elem
     for (n, T, D, E), m in zip(cases, measured):
         counts_bytes = n * (E // n + 9) * 8
         token_bytes = T * TOPK * D * elem
-        pred = ctx.predict("all_to_all", n, counts_bytes)[0] + 2 * ctx.predict("all_to_all", n, token_bytes)[0]
+        pred = (ctx.predict("all_to_all", n, counts_bytes)[0] + 2 * ctx.predict("all_to_all", n, token_bytes)[0]
+                + row_pass_seconds(ctx.hardware, token_bytes))
         rows.append(Row("moe-dispatch", f"n={n} T={T} D={D} K={TOPK} E={E}", "moe_dispatch", n,
-                        token_bytes, pred, m))
+                        token_bytes, pred, m, drift=ctx.drift))
     return rows
 
 

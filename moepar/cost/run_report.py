@@ -1,0 +1,95 @@
+"""A training run's own report: every collective it recorded beside the model's count.
+
+``moepar.parallel.comm.track()`` records each collective (op, group size, bytes, seconds,
+forward/backward); the cost model lists the same collectives for ``steps`` steps of the
+run's ``MoESpec`` on its ``CostLayout`` (``layer_calls`` + ``step_calls``). Both are
+grouped by (op, group size, phase); "step" collectives (gradients, norms, loss) are issued
+outside autograd and so count as forward.
+
+Bytes that depend on the routing: a rank sends its own routes (dropless: (T/tp)·K rows,
+known) and receives what the router sent it, which only the run knows. ``received_rows``
+is that measurement: the rows this rank's experts were given, summed over the run's MoE
+layer calls; it sets the bytes of the combine all-to-all (forward) and of the dispatch
+gradient all-to-all (backward), both of which send back the rows received. Everything else
+is the model's own arithmetic.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from ..tables import format_table
+from .accounting import calls_per_step, step_cost
+from .hardware import Hardware
+from .model import CostLayout, MoESpec, dedup_fraction
+from .units import fmt_bytes, fmt_time
+
+RECEIVED = ("MoE combine", "MoE dispatch grad")   # calls whose send buffer is the rows received
+
+
+@dataclasses.dataclass
+class RunRow:
+    op: str
+    group_size: int
+    phase: str
+    calls: int = 0
+    nbytes: float = 0.0
+    seconds: float = 0.0
+    model_calls: int = 0
+    model_bytes: float = 0.0
+    model_seconds: float = 0.0
+
+
+def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: Iterable, steps: int,
+                received_rows: int | None = None) -> list[RunRow]:
+    """Rows of (op, group size, phase): the run's calls, bytes and seconds beside the model's
+    for ``steps`` steps. The spec is priced as routed (``imbalance`` is ignored: the send side
+    is the rank's own routes, the receive side ``received_rows``)."""
+    if steps < 1:
+        raise ValueError(f"steps={steps} must be >= 1")
+    spec = spec.replace(imbalance=1.0)
+    rows: dict[tuple, RunRow] = {}
+
+    def row(op, n, phase):
+        return rows.setdefault((op, n, phase), RunRow(op, n, phase))
+
+    for e in events:
+        r = row(e.op, e.group_size, "bwd" if e.backward else "fwd")
+        r.calls += 1
+        r.nbytes += e.nbytes
+        r.seconds += e.seconds
+    cost = step_cost(spec, layout, hardware)
+    exact_rows = received_rows is not None and dedup_fraction(spec, layout) is None and layout.etp == 1
+    for c in cost.layer + cost.step:
+        k = calls_per_step(c, spec) * steps
+        r = row(c.op, c.group_size, "fwd" if c.phase == "step" else c.phase)
+        r.model_calls += k
+        if exact_rows and c.name in RECEIVED:
+            nbytes = received_rows * spec.hidden * spec.b
+            r.model_bytes += nbytes
+            r.model_seconds += k * hardware.collective_time(c.op, layout.placement(c.group), nbytes / k, c.algo)
+        else:
+            r.model_bytes += k * c.nbytes
+            r.model_seconds += k * c.seconds
+    return sorted(rows.values(), key=lambda r: (r.op, r.group_size, r.phase))
+
+
+def render_run(rows: list[RunRow], hardware: Hardware, layout: CostLayout, steps: int) -> str:
+    """The rows as a table, and the totals measured and predicted side by side."""
+    table = [{"op": r.op, "n": r.group_size, "phase": r.phase, "calls": r.calls, "model calls": r.model_calls,
+              "bytes": fmt_bytes(r.nbytes), "model bytes": fmt_bytes(r.model_bytes),
+              "same": "yes" if (r.calls, r.nbytes) == (r.model_calls, r.model_bytes) else "NO",
+              "measured": fmt_time(r.seconds), "predicted": fmt_time(r.model_seconds),
+              "pred/meas": f"{r.model_seconds / r.seconds:.3g}" if r.seconds > 0 else "-"} for r in rows]
+    tot = {k: sum(getattr(r, k) for r in rows) for k in ("calls", "nbytes", "seconds", "model_calls",
+                                                         "model_bytes", "model_seconds")}
+    head = (f"communication of {steps} step(s), this run (rank 0) vs the cost model ({hardware.name}; "
+            f"{layout.describe()}):")
+    totals = [{"": "measured", "calls": tot["calls"], "bytes": fmt_bytes(tot["nbytes"]), "time": fmt_time(tot["seconds"])},
+              {"": "predicted", "calls": tot["model_calls"], "bytes": fmt_bytes(tot["model_bytes"]),
+               "time": fmt_time(tot["model_seconds"])}]
+    same = all((r.calls, r.nbytes) == (r.model_calls, r.model_bytes) for r in rows)
+    verdict = ("every op: calls and bytes as the model counts them" if same
+               else "MISMATCH: the rows marked NO differ from the model")
+    return "\n".join([head, format_table(table) if table else "(no collectives recorded)", "",
+                      "totals:", format_table(totals), verdict])
