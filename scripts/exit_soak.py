@@ -7,7 +7,9 @@ Each run is ``torchrun --standalone --nproc_per_node 4`` of this same file in ``
 a user's script that imports moepar, joins a gloo world, runs one MoE forward and backward
 at the given tp x ep layout, reduces the gradients, prints its result and ends, either with
 ``moepar.destroy_parallel()`` ("destroy") or with only ``torch.distributed.destroy_process_group()``
-("plain", what a user writes without knowing moepar's teardown). A run counts as clean when
+("plain", what a user writes without knowing moepar's teardown). "late" is "plain" in a
+script that imports ``torch.distributed.nn`` after ``init_process_group`` (as ``torch._dynamo``
+does at a first ``torch.compile``), the import that pins the world group (issue 19). A run counts as clean when
 torchrun exits 0; the script prints, per layout and variant, the clean count and the exit
 codes and first abort line of the others.
 """
@@ -29,6 +31,8 @@ def job(tp: int, ep: int, variant: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
+    if variant == "late":
+        import torch.distributed.nn  # noqa: F401  (binds group.WORLD as default arguments)
     state = moepar.init_parallel(tp, ep, verbose=False)
     inp = moepar.ColumnParallelLinear(16, 16, gather_output=True, init_seed=1, state=state)
     moe = moepar.MoE(16, 4, ep, k=2, ffn_hidden=32, state=state, init_seed=2)
@@ -66,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=100, help="runs per layout and variant")
     ap.add_argument("--layouts", default="1x2,1x4,2x2", help="comma-separated TPxEP at 4 ranks")
-    ap.add_argument("--variants", default="destroy,plain", help="destroy (destroy_parallel) and/or plain")
+    ap.add_argument("--variants", default="destroy,plain",
+                    help="comma-separated: destroy (destroy_parallel), plain, late (see above)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="destroy", help=argparse.SUPPRESS)
@@ -78,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [tuple(int(v) for v in s.split("x")) for s in args.layouts.split(",")]
     variants = args.variants.split(",")
     for v in variants:
-        if v not in ("destroy", "plain"):
-            raise SystemExit(f"error: variant {v!r} must be 'destroy' or 'plain'")
+        if v not in ("destroy", "plain", "late"):
+            raise SystemExit(f"error: variant {v!r} must be 'destroy', 'plain' or 'late'")
     for tp, ep in layouts:
         for variant in variants:
             clean, bad, t0 = 0, [], time.time()
