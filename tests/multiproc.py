@@ -191,7 +191,7 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIM
 def close_pools() -> list[str]:
     """Stop the shared pools; returns (and clears) the abnormal exits seen so far."""
     for world_size, pool in _POOLS.items():
-        bad = pool.close(grace=30.0)
+        bad = pool.close(grace=60.0)
         if bad:
             _ABNORMAL.append(_exit_message(world_size, bad))
     _POOLS.clear()
