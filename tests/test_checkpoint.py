@@ -92,9 +92,9 @@ def _load_fsdp(path, layout):
     net = moepar.fully_shard(_Net(state, seed=99), state)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
     extra = checkpoint.load(path, net, opt, extra_keys=("step",))
+    exp_avg_ok = all(float(opt.state[p]["exp_avg"].full_tensor().abs().sum()) > 0 for p in net.parameters())
     with torch.no_grad():
         y = net(_inputs(state.dp_rank))
-    exp_avg_ok = all(float(opt.state[p]["exp_avg"].full_tensor().abs().sum()) > 0 for p in net.parameters())
     return state.dp_rank, y, extra["step"], exp_avg_ok
 
 

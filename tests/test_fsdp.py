@@ -41,7 +41,7 @@ def _local_slice(name, full, p, state):
 
 def _train(model, state, fsdp):
     opt = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         x, y = _batch(step)
         n = BATCH // state.dp_size
@@ -50,39 +50,42 @@ def _train(model, state, fsdp):
         loss.backward()
         if not fsdp:
             moepar.allreduce_gradients(model, state)
+        norms.append(float(moepar.grad_norm(model, state)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         v = loss.detach().reshape(1).clone()
         if state.dp_size > 1:
             dist.all_reduce(v, group=state.dp_group)
         losses.append(float(v) / state.dp_size)
-    return losses
+    return losses, norms
 
 
 def _reference(sp):
     state = ParallelState.single()
     model = GPT(_cfg(sp), state)
-    losses = _train(model, state, fsdp=False)
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+    losses, norms = _train(model, state, fsdp=False)
+    return losses, norms, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _sharded_run(tp, ep, sp, ref_params):
     state = moepar.init_parallel(tp, ep, verbose=False)
     model = moepar.fully_shard(GPT(_cfg(sp), state), state)
     kinds = sorted({p.moepar_fsdp_kind for p in model.parameters()})
-    losses = _train(model, state, fsdp=True)
+    losses, norms = _train(model, state, fsdp=True)
     worst = 0.0
     for name, p in model.named_parameters():
         mine = p.full_tensor()  # this rank's TP/EP slice, all-gathered over its FSDP group
         worst = max(worst, float((mine - _local_slice(name, ref_params[name], p, state)).abs().max()))
-    return losses, worst, kinds
+    return losses, norms, worst, kinds
 
 
 @pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (1, 4, False), (2, 2, False), (2, 2, True)])
 def test_fully_sharded_training_matches_one_process(tp, ep, sp):
-    ref_losses, ref_params = _reference(sp)
-    for losses, worst, kinds in run_ranks(_sharded_run, 4, tp, ep, sp, ref_params):
+    ref_losses, ref_norms, ref_params = _reference(sp)
+    for losses, norms, worst, kinds in run_ranks(_sharded_run, 4, tp, ep, sp, ref_params):
         assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5, (losses, ref_losses)
+        # moepar.grad_norm (hence clip_grad_norm_) of the sharded gradients: the global norm.
+        assert max(abs(a - b) / b for a, b in zip(norms, ref_norms)) < 1e-5, (norms, ref_norms)
         assert worst < 1e-5, worst
         assert kinds == (["dense", "expert", "sp"] if sp else ["dense", "expert"])
     # The run moves the parameters: a wrong scale would show.
