@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 import moepar
 from examples.gpt_moe import GPT, GPTConfig
+from moepar.parallel import grad_norm
 from moepar.parallel.groups import ParallelState
 
 from .multiproc import run_ranks
@@ -50,7 +51,7 @@ def _train(model, state, fsdp):
         loss.backward()
         if not fsdp:
             moepar.allreduce_gradients(model, state)
-        norms.append(float(moepar.grad_norm(model, state)))
+        norms.append(float(grad_norm(model, state)))
         opt.step()
         opt.zero_grad(set_to_none=True)
         v = loss.detach().reshape(1).clone()
