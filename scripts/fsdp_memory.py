@@ -5,14 +5,12 @@
 Builds the example GPT-MoE (examples/gpt_moe.py, default sizes unless given), takes one
 AdamW step each way and prints, per way, the bytes each rank holds in parameters, gradients
 and optimizer state (local shards only; the max over ranks). Not counted: FSDP's transient
-all-gathered parameters (one unit, a transformer block, at a time) and activations. Also
-prints each way's max over ranks of the peak RSS growth during its step (noisy on CPU).
+all-gathered parameters (one unit, a transformer block, at a time) and activations.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 
 import torch
@@ -43,7 +41,6 @@ def _bytes(model, opt) -> dict[str, int]:
 
 
 def measure(fsdp: bool, state, cfg, batch: int) -> dict[str, int]:
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     model = GPT(cfg, state)
     if fsdp:
         model = moepar.fully_shard(model, state)
@@ -56,7 +53,6 @@ def measure(fsdp: bool, state, cfg, batch: int) -> dict[str, int]:
         moepar.allreduce_gradients(model, state)
     opt.step()
     out = _bytes(model, opt)  # gradients kept (no zero_grad): the step's peak model state
-    out["rss_growth"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
     t = torch.tensor([out[k] for k in sorted(out)], dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return dict(zip(sorted(out), (int(v) for v in t.tolist())))
@@ -75,19 +71,17 @@ def main(argv: list[str] | None = None) -> int:
     dist.init_process_group("gloo")
     state = moepar.init_parallel(args.tp, args.ep, verbose=False)
     cfg = GPTConfig(layers=args.layers, hidden=args.hidden, experts=args.experts)
-    # FSDP first: the RSS high-water mark only grows, so the second way's growth is a lower bound.
     rows = [("fully_shard", measure(True, state, cfg, args.batch)),
             ("allreduce_gradients", measure(False, state, cfg, args.batch))]
     if state.rank == 0:
         print(f"world {state.world_size}: tp {state.tp_size} ep {state.ep_size} (dp {state.dp_size}, "
               f"edp {state.edp_size}); GPT layers {args.layers} hidden {args.hidden} experts {args.experts}")
-        print(f"{'way':22s} {'params':>10s} {'grads':>10s} {'optimizer':>10s} {'total':>10s} {'peak RSS +':>11s}"
+        print(f"{'way':22s} {'params':>10s} {'grads':>10s} {'optimizer':>10s} {'total':>10s}"
               "   (MiB per rank, max over ranks)")
         for name, b in rows:
             total = b["params"] + b["grads"] + b["optimizer"]
             print(f"{name:22s} " + " ".join(f"{v / 2**20:10.2f}" for v in (b["params"], b["grads"],
-                                                                            b["optimizer"], total))
-                  + f" {b['rss_growth'] / 2**20:11.1f}")
+                                                                            b["optimizer"], total)))
     moepar.destroy_parallel()
     return 0
 
