@@ -9,7 +9,8 @@ at the given tp x ep layout, reduces the gradients, prints its result and ends, 
 ``moepar.destroy_parallel()`` ("destroy") or with only ``torch.distributed.destroy_process_group()``
 ("plain", what a user writes without knowing moepar's teardown). "late" is "plain" in a
 script that imports ``torch.distributed.nn`` after ``init_process_group`` (as ``torch._dynamo``
-does at a first ``torch.compile``), the import that pins the world group (issue 19). A run counts as clean when
+does at a first ``torch.compile``), the import that pins the world group (issue 19); "bare"
+is that script without the MoE step: the late import, ``init_parallel``, one all-reduce. A run counts as clean when
 torchrun exits 0; the script prints, per layout and variant, the clean count and the exit
 codes and first abort line of the others.
 """
@@ -31,9 +32,16 @@ def job(tp: int, ep: int, variant: str) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    if variant == "late":
+    if variant in ("late", "bare"):
         import torch.distributed.nn  # noqa: F401  (binds group.WORLD as default arguments)
     state = moepar.init_parallel(tp, ep, verbose=False)
+    if variant == "bare":
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        if dist.get_rank() == 0:
+            print(f"loss {float(t[0]):.6f}", flush=True)
+        dist.destroy_process_group()
+        return
     inp = moepar.ColumnParallelLinear(16, 16, gather_output=True, init_seed=1, state=state)
     moe = moepar.MoE(16, 4, ep, k=2, ffn_hidden=32, state=state, init_seed=2)
     torch.manual_seed(state.dp_rank)
@@ -71,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=100, help="runs per layout and variant")
     ap.add_argument("--layouts", default="1x2,1x4,2x2", help="comma-separated TPxEP at 4 ranks")
     ap.add_argument("--variants", default="destroy,plain",
-                    help="comma-separated: destroy (destroy_parallel), plain, late (see above)")
+                    help="comma-separated: destroy (destroy_parallel), plain, late, bare (see above)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     ap.add_argument("--job", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--variant", default="destroy", help=argparse.SUPPRESS)
@@ -83,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     layouts = [tuple(int(v) for v in s.split("x")) for s in args.layouts.split(",")]
     variants = args.variants.split(",")
     for v in variants:
-        if v not in ("destroy", "plain", "late"):
-            raise SystemExit(f"error: variant {v!r} must be 'destroy', 'plain' or 'late'")
+        if v not in ("destroy", "plain", "late", "bare"):
+            raise SystemExit(f"error: variant {v!r} must be 'destroy', 'plain', 'late' or 'bare'")
     for tp, ep in layouts:
         for variant in variants:
             clean, bad, t0 = 0, [], time.time()
