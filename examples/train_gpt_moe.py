@@ -39,6 +39,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     g.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--fsdp", action="store_true",
+                   help="shard parameters, gradients and optimizer state with moepar.fully_shard (FSDP2): "
+                        "dense over dp, experts over edp (needs torchrun)")
     g = p.add_argument_group("model")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--hidden", type=int, default=128)
@@ -114,6 +117,8 @@ def build(args, device):
                     sequence_parallel=args.sequence_parallel,
                     checkpoint_activations=args.checkpoint_activations, init_seed=args.seed)
     model = GPT(cfg, state).to(device)
+    if args.fsdp:
+        model = moepar.fully_shard(model, state)  # the optimizer below sees the sharded params
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -176,7 +181,8 @@ def train(args) -> dict:
                 ce = model(x.to(device), y.to(device))
                 aux = moepar.aux_loss(model)
             (ce + aux).backward()
-            moepar.allreduce_gradients(model, state)
+            if not args.fsdp:  # under FSDP the backward pass reduced the gradients
+                moepar.allreduce_gradients(model, state)
             moepar.clip_grad_norm_(model, args.clip, state)
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -331,8 +337,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        moepar.destroy_parallel()  # joins every group's threads before the interpreter finalizes
     return 0
 
 

@@ -15,8 +15,13 @@ from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, V
                        allreduce_gradients, clip_grad_norm_, get_parallel_state, init_parallel,
                        vocab_parallel_cross_entropy)
 
+# --- issue 19: clean teardown and FSDP2 (one separate edit for an easy merge) ---
+from .parallel import destroy_parallel, fully_shard  # noqa: E402
+# ---
+
 __version__ = "0.1.0"
 __all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "TopKRouter", "Routing", "GroupedExperts", "ColumnParallelLinear",
            "ParallelState", "RowParallelLinear", "VocabParallelEmbedding", "allreduce_gradients",
            "clip_grad_norm_", "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy",
            "release_cpu_buffers", "cpu_buffer_stats"]
+__all__ += ["destroy_parallel", "fully_shard"]  # issue 19

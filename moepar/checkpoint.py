@@ -12,6 +12,16 @@ Meshes (row-major over global ranks, matching ``moepar.parallel.groups``):
 so an expert tensor's dim 0 is the *global* expert index whatever the layout.
 Replicated params and buffers are plain tensors (DCP keeps one copy).
 
+A model sharded with ``moepar.fully_shard`` (FSDP2) has DTensor parameters sharded on dim 0
+of this rank's TP/EP slice over their FSDP group (``moepar_fsdp_kind``, see
+moepar/parallel/fsdp.py). They are saved with the same global shapes, on meshes whose dim
+order says "the TP/EP slice first, then FSDP's chunk of it":
+  dense      (tp, dp):          [Shard(partition_dim) | Replicate, Shard(0)]
+  sp         (world,):          [Shard(0)]
+  expert     (ep, edp, etp):    [Shard(0), Shard(0), Shard(etp dim) | Replicate]
+  expert_rep (ep, edp x etp):   [Shard(0), Shard(0)]
+so a fully-sharded checkpoint loads into any layout, sharded or not, and back.
+
 ``save_checkpoint``/``latest_checkpoint`` add crash safety: each save goes to a temporary
 directory that rank 0 renames to ``step_<n>`` only after every rank finished writing, so
 a run killed mid-save leaves the previous checkpoint intact.
@@ -30,23 +40,67 @@ from torch import nn
 
 from .parallel.groups import ParallelState, get_parallel_state
 
-_MESHES: dict[tuple, tuple] = {}
-
-
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _device_type() -> str:
+    return "cuda" if dist.get_backend() == "nccl" else "cpu"
+
+
 def _meshes(state: ParallelState):
+    """(dense, expert) meshes of the layout, kept in the state (destroy_parallel frees them)."""
     from torch.distributed.device_mesh import init_device_mesh
     lay = state.layout
-    key = (lay.world_size, lay.tp, lay.ep, lay.etp, id(dist.group.WORLD))
-    if key not in _MESHES:
-        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    key = ("checkpoint", id(dist.group.WORLD))
+    if key not in state.meshes:
+        device = _device_type()
         dense = init_device_mesh(device, (lay.dp, lay.tp), mesh_dim_names=("dp", "tp"))
         expert = init_device_mesh(device, (lay.edp, lay.ep, lay.etp), mesh_dim_names=("edp", "ep", "etp"))
-        _MESHES[key] = (dense, expert)
-    return _MESHES[key]
+        state.meshes[key] = (dense, expert)
+    return state.meshes[key]
+
+
+def _fsdp_mesh(kind: str, state: ParallelState):
+    """The mesh of a fully-sharded parameter kind (module docstring), built once per state."""
+    from torch.distributed.device_mesh import DeviceMesh
+    key = ("checkpoint-fsdp", kind, id(dist.group.WORLD))
+    if key not in state.meshes:
+        lay = state.layout
+        ranks = torch.arange(lay.world_size)
+        grid = {"dense": (ranks.view(lay.dp, lay.tp).T, ("tp", "dp")),
+                "sp": (ranks, ("world",)),
+                "expert": (ranks.view(lay.edp, lay.ep, lay.etp).permute(1, 0, 2), ("ep", "edp", "etp")),
+                "expert_rep": (ranks.view(lay.edp, lay.ep, lay.etp).permute(1, 0, 2).reshape(lay.ep, -1),
+                               ("ep", "edp_etp"))}[kind]
+        state.meshes[key] = DeviceMesh(_device_type(), grid[0].contiguous(), mesh_dim_names=grid[1])
+    return state.meshes[key]
+
+
+def _wrap_fsdp(t, like, state: ParallelState):
+    """A fully-sharded parameter's (or its optimizer state's) local shard as a DTensor of the
+    moepar-global shape on its kind's mesh."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    kind, shape = like.moepar_fsdp_kind, list(like.shape)  # like.shape: this rank's TP/EP slice
+    if kind == "dense":
+        tp_sliced = getattr(like, "tensor_model_parallel", False) and state.tp_size > 1
+        if tp_sliced:
+            shape[like.partition_dim] *= state.tp_size
+        placements = [Shard(like.partition_dim) if tp_sliced else Replicate(), Shard(0)]
+    elif kind == "sp":
+        placements = [Shard(0)]
+    elif kind == "expert":
+        pdim = getattr(like, "moepar_expert_partition_dim", None)
+        shape[0] *= state.ep_size
+        if pdim is not None:
+            shape[pdim] *= state.etp_size
+        placements = [Shard(0), Shard(0), Replicate() if pdim is None else Shard(pdim)]
+    else:  # expert_rep
+        shape[0] *= state.ep_size
+        placements = [Shard(0), Shard(0)]
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(t.to_local(), _fsdp_mesh(kind, state), placements, run_check=False,
+                              shape=torch.Size(shape), stride=stride)
 
 
 def _wrap(t: torch.Tensor, like: torch.Tensor, state: ParallelState):
@@ -55,6 +109,8 @@ def _wrap(t: torch.Tensor, like: torch.Tensor, state: ParallelState):
     if not _distributed():
         return t
     from torch.distributed.tensor import DTensor, Replicate, Shard
+    if hasattr(like, "moepar_fsdp_kind"):
+        return _wrap_fsdp(t, like, state)
     dense_mesh, expert_mesh = _meshes(state)
     if getattr(like, "moepar_expert", False):
         pdim = getattr(like, "moepar_expert_partition_dim", None)
@@ -68,6 +124,7 @@ def _wrap(t: torch.Tensor, like: torch.Tensor, state: ParallelState):
 def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state: ParallelState,
                 create_optimizer_state: bool) -> dict:
     sd: dict = {}
+    _reshard(model)
     params = dict(model.named_parameters())
     for name, p in params.items():
         sd[f"model.{name}"] = _wrap(p.data, p, state)
@@ -89,6 +146,18 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state
         sd["optim.param_groups"] = _pack([{k: v for k, v in g.items() if k != "params"}
                                           for g in optimizer.param_groups])
     return sd
+
+
+def _reshard(model: nn.Module) -> None:
+    """Register a fully-sharded model's sharded parameters (after a forward outside training,
+    FSDP leaves the root's gathered ones in place); a no-op for other models."""
+    if not any(hasattr(p, "moepar_fsdp_kind") or hasattr(p, "device_mesh") for p in model.parameters()) and \
+            not any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+        return
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
 
 
 def _pack(value) -> bytes:

@@ -8,7 +8,14 @@ after every call. ``fn`` and its arguments must be picklable: define ``fn`` at m
 
 A rank that raises fails the call with that rank's traceback; a call that outlives its
 ``timeout`` (a hang in a collective) kills the workers and fails with the ranks that never
-answered, instead of freezing the suite.
+answered, instead of freezing the suite; a rank that dies fails the call at once with its
+exit code.
+
+Rendezvous goes through a ``FileStore`` in a fresh temporary directory (no free-port race
+between picking a port and binding it). Workers import moepar before ``init_process_group``
+and end with ``moepar.destroy_parallel()``; their exit codes are checked when a pool closes:
+``run_ranks(..., fresh=True)`` runs in new processes and fails the test whose ranks do not
+exit 0, and shared pools are checked when replaced and at the end of the session (conftest).
 """
 from __future__ import annotations
 
@@ -17,7 +24,8 @@ import datetime
 import multiprocessing as mp
 import os
 import queue
-import socket
+import shutil
+import tempfile
 import time
 import traceback
 from typing import Any, Callable
@@ -25,22 +33,22 @@ from typing import Any, Callable
 DEFAULT_TIMEOUT = float(os.environ.get("MOEPAR_TEST_TIMEOUT", "180"))
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+def _worker(rank: int, world_size: int, store_path: str, inbox, outbox) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
 
+    # Before any process group exists, as a user's script does: moepar's import is what keeps
+    # torch.distributed.nn from pinning the world group (issue 19).
+    import moepar
+
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size,
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+        del store
     except BaseException:
         outbox.put((rank, False, "init_process_group failed:\n" + traceback.format_exc()))
         return
@@ -54,12 +62,8 @@ def _worker(rank: int, world_size: int, port: int, inbox, outbox) -> None:
         except BaseException:
             outbox.put((rank, False, traceback.format_exc()))
         finally:
-            try:
-                from moepar.parallel import groups
-                groups.reset_parallel_state()
-            except ImportError:
-                pass
-    dist.destroy_process_group()
+            moepar.parallel.reset_parallel_state()
+    moepar.destroy_parallel()
 
 
 class RankFailure(AssertionError):
@@ -70,10 +74,11 @@ class _Pool:
     def __init__(self, world_size: int):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
-        port = free_port()
+        self.tmpdir = tempfile.mkdtemp(prefix="moepar-store-")
+        store_path = os.path.join(self.tmpdir, "store")
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, port, self.inboxes[r], self.outbox),
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, self.inboxes[r], self.outbox),
                                   daemon=True, name=f"moepar-rank{r}") for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -94,12 +99,18 @@ class _Pool:
             if errors:
                 left = min(left, 10.0)
             try:
-                rank, ok, payload = self.outbox.get(timeout=max(left, 0.01))
+                # Short waits, so that a rank that died (signal, abort) fails the call at once.
+                rank, ok, payload = self.outbox.get(timeout=min(max(left, 0.01), 1.0))
             except queue.Empty:
-                self.close()
-                missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
-                msg = f"ranks {missing} did not finish {fn.__name__} within {timeout:.0f}s (hang?)"
-                raise RankFailure(_format(msg, errors)) from None
+                dead = {r: p.exitcode for r, p in enumerate(self.procs)
+                        if not p.is_alive() and r not in results and r not in errors}
+                if dead or left <= 0:
+                    self.close()
+                    missing = sorted(set(range(self.world_size)) - set(results) - set(errors))
+                    msg = (f"ranks {sorted(dead)} died during {fn.__name__} (exit codes {dead})" if dead else
+                           f"ranks {missing} did not finish {fn.__name__} within {timeout:.0f}s (hang?)")
+                    raise RankFailure(_format(msg, errors)) from None
+                continue
             (results if ok else errors)[rank] = payload
         if errors:
             # A failed call can leave ranks out of step in their collectives: start afresh.
@@ -107,17 +118,26 @@ class _Pool:
             raise RankFailure(_format(f"{fn.__name__} failed on ranks {sorted(errors)}", errors))
         return [results[r] for r in range(self.world_size)]
 
-    def close(self) -> None:
+    def close(self, grace: float = 2.0) -> dict[int, int | None]:
+        """Stop the workers; returns {rank: exit code} of those that did not exit 0."""
         for box in self.inboxes:
             try:
                 box.put(None)
             except Exception:
                 pass
+        deadline = time.monotonic() + grace
         for p in self.procs:
-            p.join(timeout=2)
+            p.join(timeout=max(deadline - time.monotonic(), 0.1))
+        bad = {}
+        for r, p in enumerate(self.procs):
             if p.is_alive():
                 p.kill()
                 p.join(timeout=2)
+                bad[r] = None  # never exited by itself
+            elif p.exitcode != 0:
+                bad[r] = p.exitcode
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        return bad
 
 
 def _format(headline: str, errors: dict[int, str]) -> str:
@@ -128,14 +148,38 @@ def _format(headline: str, errors: dict[int, str]) -> str:
 
 
 _POOLS: dict[int, _Pool] = {}
+# Abnormal exits of shared pools' workers, reported by check_exits() (conftest, session end).
+_ABNORMAL: list[str] = []
 
 
-def run_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, **kwargs) -> list[Any]:
-    """``[fn(*args, **kwargs) on rank r for r in range(world_size)]`` on gloo workers."""
+def _exit_message(world_size: int, bad: dict[int, int | None]) -> str:
+    codes = ", ".join(f"rank {r}: {'killed (never exited)' if c is None else f'exit code {c}'}"
+                      for r, c in sorted(bad.items()))
+    return f"gloo workers of a {world_size}-rank pool exited abnormally ({codes})"
+
+
+def run_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, fresh: bool = False,
+              **kwargs) -> list[Any]:
+    """``[fn(*args, **kwargs) on rank r for r in range(world_size)]`` on gloo workers.
+
+    ``fresh=True``: in new processes that end after the call; fails (RankFailure) when any
+    of them does not exit 0 (e.g. an abort in teardown) even though ``fn`` succeeded.
+    """
+    if fresh:
+        pool = _Pool(world_size)
+        try:
+            results = pool.run(fn, args, kwargs, timeout)
+        finally:
+            bad = pool.close(grace=60.0)
+        if bad:
+            raise RankFailure(_exit_message(world_size, bad))
+        return results
     pool = _POOLS.get(world_size)
     if pool is None or not pool.alive():
         if pool is not None:
-            pool.close()
+            bad = pool.close()
+            if bad:
+                _ABNORMAL.append(_exit_message(world_size, bad))
         pool = _POOLS[world_size] = _Pool(world_size)
     try:
         return pool.run(fn, args, kwargs, timeout)
@@ -144,10 +188,23 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIM
         raise
 
 
-def close_pools() -> None:
-    for pool in _POOLS.values():
-        pool.close()
+def close_pools() -> list[str]:
+    """Stop the shared pools; returns (and clears) the abnormal exits seen so far."""
+    for world_size, pool in _POOLS.items():
+        bad = pool.close(grace=60.0)
+        if bad:
+            _ABNORMAL.append(_exit_message(world_size, bad))
     _POOLS.clear()
+    found = list(_ABNORMAL)
+    _ABNORMAL.clear()
+    return found
+
+
+def check_exits() -> None:
+    """Close the shared pools and raise RankFailure if any worker exited abnormally."""
+    found = close_pools()
+    if found:
+        raise RankFailure("\n".join(found))
 
 
 atexit.register(close_pools)

@@ -4,6 +4,7 @@ import os
 import torch
 from torch import nn
 
+import moepar
 from moepar import checkpoint
 from moepar.moe.layer import MoE
 from moepar.parallel import ColumnParallelLinear, allreduce_gradients, init_parallel
@@ -66,6 +67,47 @@ def test_save_at_one_layout_load_at_two_others_and_single_process(tmp_path):
             assert torch.allclose(y, saved[d], atol=1e-6, rtol=0), (layout, d, (y - saved[d]).abs().max())
             assert step == 1 and exp_avg_ok
     # A single process (no torch.distributed) reads the same directory.
+    net = _Net(ParallelState.single(), seed=5)
+    checkpoint.load(path, net)
+    with torch.no_grad():
+        for d in range(4):
+            assert torch.allclose(net(_inputs(d)), saved[d], atol=1e-6, rtol=0)
+
+
+def _save_fsdp(path, layout):
+    state = init_parallel(*layout, verbose=False)
+    net = moepar.fully_shard(_Net(state, seed=10), state)
+    kinds = sorted({p.moepar_fsdp_kind for p in net.parameters()})
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(_inputs(state.dp_rank)).sum().backward()  # FSDP reduces the gradients
+    opt.step()
+    with torch.no_grad():
+        y = net(_inputs(state.dp_rank))
+    checkpoint.save(path, net, opt, extra={"step": 1})  # after a forward: the root's params gathered
+    return state.dp_rank, y, kinds
+
+
+def _load_fsdp(path, layout):
+    state = init_parallel(*layout, verbose=False)
+    net = moepar.fully_shard(_Net(state, seed=99), state)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    extra = checkpoint.load(path, net, opt, extra_keys=("step",))
+    exp_avg_ok = all(float(opt.state[p]["exp_avg"].full_tensor().abs().sum()) > 0 for p in net.parameters())
+    with torch.no_grad():
+        y = net(_inputs(state.dp_rank))
+    return state.dp_rank, y, extra["step"], exp_avg_ok
+
+
+def test_fully_sharded_checkpoint_loads_sharded_unsharded_and_single_process(tmp_path):
+    path = str(tmp_path / "fsdp")
+    runs = run_ranks(_save_fsdp, 4, path, (1, 2, 1))  # dp 4, edp 2
+    saved = {d: y for d, y, _ in runs}
+    assert runs[0][2] == ["dense", "expert"]
+    # Sharded at tp2 ep2 etp2 (TP-sliced dense, ETP-sliced experts), unsharded at tp2 ep1.
+    for load, layout in [(_load_fsdp, (2, 2, 2)), (_load, (2, 1, 1))]:
+        for d, y, step, exp_avg_ok in run_ranks(load, 4, path, layout):
+            assert torch.allclose(y, saved[d], atol=1e-6, rtol=0), (layout, d, (y - saved[d]).abs().max())
+            assert step == 1 and exp_avg_ok
     net = _Net(ParallelState.single(), seed=5)
     checkpoint.load(path, net)
     with torch.no_grad():

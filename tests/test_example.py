@@ -128,3 +128,11 @@ def test_killed_run_resumes_from_last_complete_checkpoint(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert latest_checkpoint(ckpts).endswith(f"step_{done + 2}")
+
+
+def test_fsdp_flag_trains_the_same_curve(tmp_path):
+    # AdamW, warm-up and gradient clipping through moepar.fully_shard (FSDP2) at ep=2, dp=2.
+    common = TINY + ["--steps", "4", "--lr", "1e-2", "--warmup", "2"]
+    single = _train(common + ["--out", str(tmp_path / "single")])
+    for losses in run_ranks(_train, 2, common + ["--ep", "2", "--fsdp", "--out", str(tmp_path / "fsdp")]):
+        assert max(abs(a - b) for a, b in zip(losses, single)) <= 1e-4, (losses, single)

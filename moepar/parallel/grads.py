@@ -67,6 +67,9 @@ def allreduce_gradients(model: nn.Module, state: ParallelState | None = None, op
         raise ValueError(f"which={which!r} must be 'all', 'dense' or 'expert'")
     state = state if state is not None else get_parallel_state()
     params = [p for p in model.parameters() if p.requires_grad]
+    if any(hasattr(p, "moepar_fsdp_kind") for p in params):
+        raise ValueError(f"model {type(model).__name__} is sharded with moepar.fully_shard: its backward "
+                         f"pass already reduced the gradients; do not call allreduce_gradients on it")
     for p in params:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
@@ -89,6 +92,8 @@ def grad_norm(model: nn.Module, state: ParallelState | None = None,
     dense TP-sliced params summed over TP, replicated ones counted on TP rank 0; expert
     slices summed over the EP and ETP groups, ETP-replicated ones counted on ETP rank 0."""
     state = state if state is not None else get_parallel_state()
+    if any(hasattr(p, "moepar_fsdp_kind") for p in model.parameters()):
+        return _sharded_grad_norm(model, state, stats)
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
@@ -104,6 +109,24 @@ def grad_norm(model: nn.Module, state: ParallelState | None = None,
     comm.all_reduce_(expert_sq, state.ep_group, stats=stats)
     comm.all_reduce_(expert_sq, state.etp_group, stats=stats)
     return (dense_sq + expert_sq).sqrt().float()
+
+
+def _sharded_grad_norm(model: nn.Module, state: ParallelState, stats: comm.CommStats | None) -> torch.Tensor:
+    """grad_norm of a moepar.fully_shard model: each rank's gradient shards are distinct
+    within their FSDP group, so one sum over the world counts every element once, except a
+    replicated (not TP-sliced) dense parameter, whose TP ranks hold the same shards: counted on
+    TP rank 0. One 8-byte all-reduce over the world."""
+    sq = torch.zeros((), dtype=torch.float64)
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        if p.moepar_fsdp_kind == "dense" and not getattr(p, "tensor_model_parallel", False) and state.tp_rank:
+            continue
+        g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        sq += g.detach().double().pow(2).sum().cpu()
+    if state.world_size > 1:
+        comm.all_reduce_(sq, torch.distributed.group.WORLD, stats=stats)
+    return sq.sqrt().float()
 
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, state: ParallelState | None = None,

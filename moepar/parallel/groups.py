@@ -13,12 +13,24 @@ single process without ``torch.distributed`` is a valid world of one everywhere.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import gc
+import sys
 from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+if dist.is_available():
+    # Imported here, before any process group exists, on purpose. torch.distributed.nn.functional
+    # binds ``group=group.WORLD`` as default arguments when it is imported; imported after
+    # init_process_group (torch._dynamo pulls it in at moepar's first custom-op call), those
+    # defaults pin the world group until interpreter shutdown, and its gloo worker thread then
+    # drops a tensor while the interpreter finalizes: std::terminate, SIGABRT, in a job that
+    # finished (pytorch/pytorch#190489 and #117762, CPython gh-87135).
+    import torch.distributed.nn  # noqa: F401
 
 # Megatron's offset between the data-parallel and the model-parallel seed.
 MODEL_PARALLEL_SEED_OFFSET = 2718
@@ -140,6 +152,9 @@ class ParallelState:
     groups: dict[str, object | None] = dataclasses.field(default_factory=dict)
     seed: int = 1234
     rng: RNGTracker | None = None
+    # Device meshes (checkpoint, FSDP) and derived groups built on demand over this layout:
+    # kept here, not in module globals, so that destroy_parallel() can drop them with the groups.
+    meshes: dict[object, object] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def single(cls, seed: int = 1234) -> "ParallelState":
@@ -268,6 +283,11 @@ def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
     if verbose:
         print(state.describe(), flush=True)
     _STATE = state
+    _unpin_default_groups()
+    global _ATEXIT_REGISTERED
+    if not _ATEXIT_REGISTERED:
+        atexit.register(_drop_references)
+        _ATEXIT_REGISTERED = True
     return state
 
 
@@ -280,3 +300,60 @@ def reset_parallel_state() -> None:
     """Forget the last ``init_parallel`` (groups are left to torch.distributed)."""
     global _STATE
     _STATE = None
+
+
+_ATEXIT_REGISTERED = False
+
+
+def _unpin_default_groups() -> None:
+    """Replace every ProcessGroup bound as a default argument in torch.distributed's modules
+    with ``None`` (torch's "the world" there), so that no function default keeps a group alive.
+
+    Only matters when torch.distributed.nn was imported after init_process_group (by the user,
+    before importing moepar); see the import at the top of this module.
+    """
+    if not dist.is_available():
+        return
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for fn in list(vars(module).values()):
+            if not callable(fn) or getattr(fn, "__module__", None) != name:
+                continue
+            defaults = getattr(fn, "__defaults__", None)
+            if defaults and any(isinstance(d, dist.ProcessGroup) for d in defaults):
+                fn.__defaults__ = tuple(None if isinstance(d, dist.ProcessGroup) else d for d in defaults)
+            kwdefaults = getattr(fn, "__kwdefaults__", None)
+            if kwdefaults and any(isinstance(d, dist.ProcessGroup) for d in kwdefaults.values()):
+                fn.__kwdefaults__ = {k: None if isinstance(d, dist.ProcessGroup) else d
+                                     for k, d in kwdefaults.items()}
+
+
+def _drop_references() -> None:
+    """Forget every group and mesh moepar holds, in place (modules that kept the state object
+    see ``None`` groups afterwards), then collect. Registered with atexit by init_parallel, so
+    that even a script that never calls destroy_parallel() lets go of its groups while the
+    interpreter is still intact."""
+    global _STATE
+    state, _STATE = _STATE, None
+    if state is not None:
+        state.groups.clear()
+        state.meshes.clear()
+    _unpin_default_groups()
+    gc.collect()
+
+
+def destroy_parallel() -> None:
+    """End the parallel job cleanly: barrier, drop moepar's groups and meshes, destroy every
+    process group and collect, so that every group's worker threads are joined while the
+    interpreter is intact. Call it once at the end of a script, on every rank, instead of
+    (not after) ``torch.distributed.destroy_process_group()``. Without torch.distributed it
+    only forgets the parallel state. A later ``init_parallel`` needs a new process group.
+    """
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized:
+        dist.barrier()  # no rank tears its groups down while a peer still sends to it
+    _drop_references()
+    if initialized:
+        dist.destroy_process_group()
+    gc.collect()

@@ -44,9 +44,14 @@ def _master(shape: tuple[int, ...], fan_in: int, init_std: float | None,
 class _TPModule(nn.Module):
     def _setup(self, state: ParallelState | None) -> None:
         self.state = state if state is not None else get_parallel_state()
-        self.group = self.state.tp_group
         self.tp_size = self.state.tp_size
         self.tp_rank = self.state.tp_rank
+
+    @property
+    def group(self):
+        """The TP group, read from the parallel state at call time (never cached in the module,
+        so that destroy_parallel() can free it)."""
+        return self.state.tp_group
 
 
 class ColumnParallelLinear(_TPModule):
