@@ -113,10 +113,12 @@ def _ops(calls, phase=None, group=None):
             and (group is None or c.group == group)]
 
 
-def test_ep_only_layer_issues_three_plus_two_all_to_alls():
+def test_ep_only_layer_issues_the_preflight_and_three_plus_two_all_to_alls():
     spec, lay = mixtral(), CostLayout(8, 8, ep=8)
     calls = layer_calls(spec, lay, H100)
-    assert _ops(calls, "fwd") == [("all_to_all", "ep")] * 3
+    assert _ops(calls, "fwd") == [("all_reduce", "world")] + [("all_to_all", "ep")] * 3
+    preflight = [c for c in calls if c.name == "MoE preflight"][0]
+    assert preflight.nbytes == 8 * 3 * 8                                       # world·3·8
     assert _ops(calls, "bwd") == [("all_to_all", "ep")] * 2
     dispatch = [c for c in calls if c.name == "MoE dispatch"][0]
     assert dispatch.nbytes == 4096 * 2 * 4096 * 2                             # R·D·b

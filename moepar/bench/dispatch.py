@@ -61,7 +61,7 @@ from moepar.bench.local import machine, random_routes
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status
 from moepar.moe.dispatcher import dedup_expand, dedup_send
 from moepar.moe.layer import MoE
-from moepar.parallel import groups
+from moepar.parallel import destroy_parallel, groups
 from moepar_kernels.permute import permute, unpermute
 
 
@@ -312,7 +312,7 @@ def run(args: argparse.Namespace) -> dict:
            "threads": torch.get_num_threads(), "malloc": getattr(args, "malloc", "default"), "dispatch": rows, "layer": layer_rows}
     dist.barrier()
     if own_group:
-        dist.destroy_process_group()
+        destroy_parallel()
     return out
 
 

@@ -15,6 +15,7 @@ Per MoE layer and micro-batch (what ``moepar.moe`` issues):
            [etp>1] reduce-scatter partial out   etp·R·D·b    ETP
            [ep>1]  combine all-to-all           R·D·b        EP
            [tp>1, no SP] all-gather outputs     T·D·b        TP
+           [world>1] preflight all-reduce of every rank's input verdict, world·3·8
            shared experts [tp>1]: all-reduce T·D·b (SP: all-gather + reduce-scatter, and
            an all-gather of the TP ranks' token counts tp·8 forward)
            [SP, tp>1] aux-loss statistics all-reduce 3·E·4   TP
@@ -147,6 +148,10 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
             add("attention SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b",
                 count=spec.qkv_linears if phase == "fwd" else 1)
             add("attention SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b", count=n_in)
+        if phase == "fwd" and layout.size("world") > 1:
+            # the layer's bad-input check before its first collective: every rank's
+            # (error flag, hidden, dtype) as a [world, 3] int64 table (moepar/moe/layer.py)
+            add("MoE preflight", "all_reduce", "world", phase, layout.size("world") * 3 * INT64, "world·3·8")
         if ep > 1 and phase == "fwd":
             add("MoE counts", "all_to_all", "ep", phase, counts_message.message_bytes(E, ep),
                 f"ep·(E/ep+{len(counts_message.FIELDS)})·8")

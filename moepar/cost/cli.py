@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Callable
 
+from ..parallel import destroy_parallel
 from .accounting import DEFAULT_COMPUTE_EFFICIENCY
 from .collectives import ALGOS, OPS
 from .architectures import MODEL_TYPES, spec_fields_from_file
@@ -365,8 +366,8 @@ def _calibrate(a: argparse.Namespace) -> int:
         print(f"matmul rate {hw.flops / 1e9:.3g} GFLOP/s per rank; fitted link {hw.intra.bandwidth / 1e9:.3g} GB/s, "
               f"{hw.intra.latency * 1e6:.3g} us/step; {hw.meta['seconds']} s on {hw.meta['machine']}")
         print(f"wrote {a.out}")
-    if created:
-        dist.destroy_process_group()
+    if created:   # join every group's threads while the interpreter is intact (docs/fsdp.md)
+        destroy_parallel()
     return 0
 
 
@@ -418,8 +419,8 @@ def _validate(a: argparse.Namespace) -> int:
         acc = s["pick_accuracy"]
         ok = all(e is not None and e <= a.max_median_error for e in errs) and (acc is None or acc >= a.min_pick_accuracy)
         code = 0 if ok else 1
-    if created:
-        dist.destroy_process_group()
+    if created:   # join every group's threads while the interpreter is intact (docs/fsdp.md)
+        destroy_parallel()
     return code
 
 
