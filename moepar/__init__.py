@@ -2,7 +2,8 @@
 
 Public names: ``MoE``, ``MoEConfig``, ``RouterConfig``, ``aux_loss``, ``TopKRouter``, ``Routing``, ``GroupedExperts``,
 ``init_parallel`` and the parallel building blocks; ``release_cpu_buffers`` and
-``cpu_buffer_stats`` for the CPU buffer pool (docs/moe.md). ``moepar.checkpoint`` and
+``cpu_buffer_stats`` for the CPU buffer pool (docs/moe.md); ``load_report`` for the
+layers' load imbalance. ``moepar.checkpoint`` and
 ``moepar.cost`` are imported on demand.
 """
 from .moe.config import MoEConfig
@@ -11,6 +12,8 @@ from .moe.cpu import stats as cpu_buffer_stats
 from .moe.experts import GroupedExperts
 from .moe.layer import MoE, MoEStats, aux_loss
 from .moe.router import RouterConfig, Routing, TopKRouter
+# Load imbalance figures (issue 19, part 3).
+from .moe.load_report import LoadReport, load_report
 from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
                        allreduce_gradients, clip_grad_norm_, get_parallel_state, init_parallel,
                        vocab_parallel_cross_entropy)
@@ -20,3 +23,4 @@ __all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "TopKRout
            "ParallelState", "RowParallelLinear", "VocabParallelEmbedding", "allreduce_gradients",
            "clip_grad_norm_", "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy",
            "release_cpu_buffers", "cpu_buffer_stats"]
+__all__ += ["load_report", "LoadReport"]
