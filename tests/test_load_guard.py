@@ -135,66 +135,97 @@ def _skew(moe):
         moe.router.weight[1] += 1.0
 
 
-def _guarded_layer(factor, variant):
-    state = init_parallel(1, 4, verbose=False)
-    P, me = state.ep_size, state.ep_rank
+def _senders(tp, ep, world):
+    """Each global rank's (dp replica, its token slice, EP group id, EP rank), from the
+    layout's rank arithmetic (moepar/parallel/groups.py; etp = 1): a rank dispatches its
+    replica's tokens, or under TP (no SP) its TP share of them."""
+    out = []
+    for R in range(world):
+        d, r = divmod(R, tp)
+        sizes = [T_RANK // tp + (1 if i < T_RANK % tp else 0) for i in range(tp)]
+        lo = sum(sizes[:r])
+        out.append((d, slice(lo, lo + sizes[r]), R // ep, R % ep))
+    return out
+
+
+def _guarded_layer(factor, variant, tp=1, ep=4):
+    state = init_parallel(tp, ep, verbose=False)
+    world, me, P = state.world_size, dist.get_rank(), ep
     kw = dict(num_experts=E4, k=2, aux_loss=None, **variant)
     moe = moe_ref.build(state, receive_capacity_factor=factor, **kw)
     single = moe_ref.build(None, **kw)
     _skew(moe)
     _skew(single)
     w = moe_ref.full_weights(single)
-    xs = [moe_ref.replica_input(d, T_RANK) for d in range(P)]
+    dp = world // tp
+    xs = [moe_ref.replica_input(d, T_RANK) for d in range(dp)]
     xs = [(x.abs(), g) for x, g in xs]
-    # Reference: every rank's routes, the slow quotas, the slow drops, the per-token layer.
-    xrs = [x.double().requires_grad_(s == me) for s, (x, _) in enumerate(xs)]
-    routes = [moe_ref.route_per_token(xr, w, k=2) for xr in xrs]
-    load = [[sum(row.count(e) for row in ids) for e in range(E4)] for ids, _, _ in routes]
-    kept, cap = slow_quotas(load, P, factor)
-    drops = [slow_drops(ids, [[float(v) for v in wt.detach()] for wt in wts], kept[s])
-             for s, (ids, wts, _) in enumerate(routes)]
+    # Reference: every rank's routes, the slow quotas per EP group, the slow drops, the
+    # per-token layer over every replica.
+    xrs = [x.double().requires_grad_(d == state.dp_rank) for d, (x, _) in enumerate(xs)]
+    full = [moe_ref.route_per_token(xr, w, k=2) for xr in xrs]
+    senders = _senders(tp, ep, world)
+    routes = [([full[d][0][t] for t in range(sl.start, sl.stop)], [full[d][1][t] for t in range(sl.start, sl.stop)])
+              for d, sl, _, _ in senders]
+    load = [[sum(row.count(e) for row in ids) for e in range(E4)] for ids, _ in routes]
+    drops, kept_of, cap_of = [None] * world, {}, {}
+    for grp in {g for _, _, g, _ in senders}:
+        members = sorted((er, R) for R, (_, _, g, er) in enumerate(senders) if g == grp)
+        kept, cap_of[grp] = slow_quotas([load[R] for _, R in members], P, factor)
+        kept_of[grp] = kept
+        for er, R in members:
+            ids, wts = routes[R]
+            drops[R] = slow_drops(ids, [[float(v) for v in wt.detach()] for wt in wts], kept[er])
     total = 0.0
-    for s, ((x, g), (ids, wts, _)) in enumerate(zip(xs, routes)):
-        xr = xrs[s]
+    for d, ((x, g), (ids, wts, _)) in enumerate(zip(xs, full)):
+        drop_T = [None] * T_RANK
+        for R, (dd, sl, _, _) in enumerate(senders):
+            if dd == d:
+                for i, t in enumerate(range(sl.start, sl.stop)):
+                    drop_T[t] = drops[R][i]
         rows = []
         for t in range(T_RANK):
             y = torch.zeros(x.shape[1], dtype=torch.float64)
             for j, e in enumerate(ids[t]):
-                if not drops[s][t][j]:
-                    y = y + wts[t][j] * moe_ref.expert_ffn(xr[t], w["experts"][e], "gelu")
+                if not drop_T[t][j]:
+                    y = y + wts[t][j] * moe_ref.expert_ffn(xrs[d][t], w["experts"][e], "gelu")
             rows.append(y)
-        y_s = torch.stack(rows)
-        if s == me:
-            y_ref, x_ref = y_s.detach(), xr
-        total = total + (y_s * g.double()).sum()
+        y_d = torch.stack(rows)
+        if d == state.dp_rank:
+            y_ref, x_ref = y_d.detach(), xrs[d]
+        total = total + (y_d * g.double()).sum()
     total.backward()
     ref_grads = moe_ref.grads_of(w)
     # The layer, on this rank's tokens; the experts' input rows are what this rank processes.
     seen = []
     moe.experts.register_forward_pre_hook(lambda mod, args: seen.append(int(args[0].shape[0])))
-    x, g = xs[me]
+    x, g = xs[state.dp_rank]
     x = x.clone().requires_grad_()
     y = moe(x)
     (y * g).sum().backward()
     allreduce_gradients(moe, state, op="sum")
     grad_err = max(float((p.grad.double() - moe_ref.local_slice(ref_grads[n], p, state)).abs().max())
                    for n, p in moe.named_parameters())
+    grp, er = senders[me][2], senders[me][3]
+    kept, L = kept_of[grp], E4 // P
     my_drops = sum(map(sum, drops[me]))
+    group_load = [load[R] for R, s_ in enumerate(senders) if s_[2] == grp]
     st = moe.stats
     return {"y": float((y.detach().double() - y_ref).abs().max()), "dx": float((x.grad.double() - x_ref.grad).abs().max()),
-            "grads": grad_err, "cap": cap, "stats_cap": st.load.cap, "processed": seen[0],
-            "ref_received": sum(kept[s][e] for s in range(P) for e in range(me * 2, me * 2 + 2)),
+            "grads": grad_err, "cap": cap_of[grp], "stats_cap": st.load.cap, "processed": seen[0],
+            "ref_received": sum(kept[s][e] for s in range(P) for e in range(er * L, er * L + L)),
             "dropped": int(st.dropped), "ref_dropped": my_drops, "guard_dropped": st.load.guard_dropped,
             "group_dropped": st.load.group_guard_dropped,
-            "ref_group_dropped": sum(sum(map(sum, d)) for d in drops),
-            "fraction": st.dropped_fraction, "ref_fraction": my_drops / (T_RANK * 2),
+            "ref_group_dropped": sum(sum(map(sum, drops[R])) for R, s_ in enumerate(senders) if s_[2] == grp),
+            "fraction": st.dropped_fraction, "ref_fraction": my_drops / max(1, 2 * len(drops[me])),
             "expert_overload": st.expert_overload,
-            "ref_expert_overload": max(map(sum, zip(*load))) / (sum(map(sum, load)) / E4),
+            "ref_expert_overload": max(map(sum, zip(*group_load))) / (sum(map(sum, group_load)) / E4),
             "rank_overload": st.rank_overload, "report": moepar.load_report(moe).rows[0]}
 
 
 def _guard_workers(factor):
-    out = [_guarded_layer(factor, {}), _guarded_layer(factor, dict(dedup="on", cpu_source_major=False))]
+    out = [_guarded_layer(factor, {}), _guarded_layer(factor, dict(dedup="on", cpu_source_major=False)),
+           _guarded_layer(factor, {}, tp=2, ep=2)]
     errors = []
     for bad in (0.5, float("nan")):   # every rank raises at construction, before any collective
         try:
@@ -213,15 +244,16 @@ def _guard_workers(factor):
 
 def test_guard_on_four_ranks_matches_the_slow_reference():
     for rank, (results, errors) in enumerate(run_ranks(_guard_workers, 4, 1.25)):
-        for r in results:
+        for i, r in enumerate(results):
             assert r["y"] < 1e-5 and r["dx"] < 1e-5 and r["grads"] < 1e-5, (rank, r)
-            assert r["stats_cap"] == r["cap"] == 15               # ceil(1.25 * 48 / 4)
+            # ceil(1.25 * 48 / 4); with tp = 2, ep = 2: one replica's 12 routes over 2 ranks
+            assert r["stats_cap"] == r["cap"] == (15 if i < 2 else 8)
             assert r["processed"] == r["ref_received"] <= r["cap"]
             assert r["dropped"] == r["guard_dropped"] == r["ref_dropped"]
             assert r["group_dropped"] == r["ref_group_dropped"] > 0
             assert r["fraction"] == pytest.approx(r["ref_fraction"])
             assert r["expert_overload"] == pytest.approx(r["ref_expert_overload"]) and r["expert_overload"] > 2
             assert r["rank_overload"] > 1.25
-            assert r["report"]["max_received"] <= 15 and r["report"]["guard_dropped"] == r["group_dropped"]
+            assert r["report"]["max_received"] <= r["cap"] and r["report"]["guard_dropped"] == r["group_dropped"]
         assert all("must be None or a finite number >= 1" in e for e in errors[:2]), errors
         assert "holds no moepar.MoE layer" in errors[2]
