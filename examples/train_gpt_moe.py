@@ -192,6 +192,9 @@ def train(args) -> dict:
         received_rows += sum(rows_in.values())
         moes = [m for m in model.modules() if isinstance(m, moepar.MoE)]
         dropped = sum(m.stats.dropped_fraction for m in moes) / max(1, len(moes))
+        # The worst layer's max/mean routes per expert over its EP group (moepar.load_report).
+        overload = (moepar.load_report(model).worst()["expert_overload"] or 0.0) if moes else 0.0
+        metrics.setdefault("overload", []).append(overload)
         metrics["losses"].append(loss)
         metrics["aux"].append(float(aux.detach()))
         metrics["dropped"].append(dropped)
@@ -205,7 +208,7 @@ def train(args) -> dict:
             by_op = {op: sum(e.seconds for e in events.events if e.op == op) * 1e3
                      for op in ("all_to_all", "all_reduce", "all_gather", "reduce_scatter")}
             val = f" val {metrics['val'][-1][1]:.3f}" if metrics["val"] and metrics["val"][-1][0] == step + 1 else ""
-            log(f"step {step + 1:4d}/{args.steps} loss {loss:.3f}{val} aux {float(aux.detach()):.4f} dropped {dropped:.1%} "
+            log(f"step {step + 1:4d}/{args.steps} loss {loss:.3f}{val} aux {float(aux.detach()):.4f} dropped {dropped:.1%} overload {overload:.2f} "
                 f"lr {lr:.1e} {tokens_per_step / dt:,.0f} tok/s | ms: a2a {by_op['all_to_all']:.0f} "
                 f"allreduce {by_op['all_reduce']:.0f} allgather+rs {by_op['all_gather'] + by_op['reduce_scatter']:.0f}"
                 f" compute {(dt - events.seconds()) * 1e3:.0f}")
@@ -288,6 +291,10 @@ def _plot(args, metrics, log) -> None:
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/byte)")
     ax.legend()
+    if metrics.get("overload"):   # beside the loss: the worst layer's expert overload factor
+        ax2 = ax.twinx()
+        ax2.plot(range(1, len(metrics["overload"]) + 1), metrics["overload"], color="tab:red", alpha=0.6)
+        ax2.set_ylabel("worst layer's expert overload (max/mean)", color="tab:red")
     path = os.path.join(args.out, "loss.png")
     fig.savefig(path, dpi=100, bbox_inches="tight")
     log(f"wrote {path} and {os.path.join(args.out, 'metrics.json')}")

@@ -1,27 +1,26 @@
 """moepar: an expert-parallel Mixture-of-Experts layer for PyTorch.
 
-Public names: ``MoE``, ``MoEConfig``, ``RouterConfig``, ``aux_loss``, ``TopKRouter``, ``Routing``, ``GroupedExperts``,
-``init_parallel`` and the parallel building blocks; ``release_cpu_buffers`` and
-``cpu_buffer_stats`` for the CPU buffer pool (docs/moe.md). ``moepar.checkpoint`` and
-``moepar.cost`` are imported on demand.
+Public names: ``MoE`` and its options ``MoEConfig`` / ``RouterConfig``, ``aux_loss``,
+``load_report`` (the layers' load imbalance), ``TopKRouter``, ``Routing``,
+``GroupedExperts``; ``init_parallel`` / ``destroy_parallel`` and the parallel building
+blocks; ``fully_shard`` (FSDP2 with expert parallelism); ``release_cpu_buffers`` and
+``cpu_buffer_stats`` for the CPU buffer pool (docs/moe.md). ``moepar.checkpoint``,
+``moepar.cost`` and ``moepar.hf`` are imported on demand.
 """
 from .moe.config import MoEConfig
 from .moe.cpu import release as release_cpu_buffers
 from .moe.cpu import stats as cpu_buffer_stats
 from .moe.experts import GroupedExperts
 from .moe.layer import MoE, MoEStats, aux_loss
+from .moe.load_report import LoadReport, load_report
 from .moe.router import RouterConfig, Routing, TopKRouter
 from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
-                       allreduce_gradients, clip_grad_norm_, get_parallel_state, init_parallel,
-                       vocab_parallel_cross_entropy)
-
-# --- issue 19: clean teardown and FSDP2 (one separate edit for an easy merge) ---
-from .parallel import destroy_parallel, fully_shard  # noqa: E402
-# ---
+                       allreduce_gradients, clip_grad_norm_, destroy_parallel, fully_shard, get_parallel_state,
+                       init_parallel, vocab_parallel_cross_entropy)
 
 __version__ = "0.1.0"
-__all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "TopKRouter", "Routing", "GroupedExperts", "ColumnParallelLinear",
-           "ParallelState", "RowParallelLinear", "VocabParallelEmbedding", "allreduce_gradients",
-           "clip_grad_norm_", "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy",
-           "release_cpu_buffers", "cpu_buffer_stats"]
-__all__ += ["destroy_parallel", "fully_shard"]  # issue 19
+__all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "load_report", "LoadReport", "TopKRouter",
+           "Routing", "GroupedExperts", "ColumnParallelLinear", "ParallelState", "RowParallelLinear",
+           "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "destroy_parallel", "fully_shard",
+           "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "release_cpu_buffers",
+           "cpu_buffer_stats"]

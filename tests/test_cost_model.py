@@ -124,7 +124,7 @@ def test_ep_only_layer_issues_the_preflight_and_three_plus_two_all_to_alls():
     assert dispatch.nbytes == 4096 * 2 * 4096 * 2                             # R·D·b
     assert dispatch.sent == dispatch.nbytes * 7 / 8
     counts = [c for c in calls if c.name == "MoE counts"][0]
-    assert counts.nbytes == 8 * (1 + 9) * 8                                     # ep·(E/ep + 9)·8
+    assert counts.nbytes == 8 * (8 + 9) * 8                                     # ep·(E + 9)·8
 
 
 def test_tp_ep_etp_layer_collectives():

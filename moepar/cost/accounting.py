@@ -7,8 +7,9 @@ nccl-tests' size convention (all-gather: output, reduce-scatter: input, all-to-a
 buffer), as ``moepar.parallel.comm`` records them.
 
 Per MoE layer and micro-batch (what ``moepar.moe`` issues):
-  forward  [ep>1]  counts all-to-all: per peer L=E/ep int64 counts + the metadata fields
-                   of moepar/moe/counts_message.py, ep·width(L)·8 bytes, EP group
+  forward  [ep>1]  counts all-to-all: per peer the sender's E int64 counts (every rank then
+                   knows the group's whole matrix: the receive guard's quotas) + the
+                   metadata fields of moepar/moe/counts_message.py, ep·width(E)·8, EP group
            [ep>1]  dispatch all-to-all          R·D·b        EP  (dedup: R·f·D·b and a side
                    all-to-all R·f·2K·4, f = dedup_fraction; each way, backward too)
            [etp>1] all-gather counts + rows     etp·E·8, etp·R·D·b  ETP
@@ -154,7 +155,7 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
             add("MoE preflight", "all_reduce", "world", phase, layout.size("world") * 3 * INT64, "world·3·8")
         if ep > 1 and phase == "fwd":
             add("MoE counts", "all_to_all", "ep", phase, counts_message.message_bytes(E, ep),
-                f"ep·(E/ep+{len(counts_message.FIELDS)})·8")
+                f"ep·(E+{len(counts_message.FIELDS)})·8")
         if ep > 1:
             add("MoE dispatch" if phase == "fwd" else "MoE combine grad", "all_to_all", "ep", phase,
                 rows_in, in_formula)

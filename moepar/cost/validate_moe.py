@@ -3,7 +3,7 @@
 Each row times ``Dispatcher.dispatch`` + ``combine`` (forward: the counts all-to-all, the
 token all-to-all and the one back, plus the local permute/regroup/unpermute they need) on
 an EP group of n ranks with uniform random top-k routing, and compares it with what the
-cost model prices for the same layer: the counts all-to-all (ep·(E/ep+9)·8 bytes) and two
+cost model prices for the same layer: the counts all-to-all (ep·(E+9)·8 bytes) and two
 token all-to-alls of R·D·b, plus the dispatcher's local passes over the R = T·K rows
 (the permute before and the weighted unpermute after), priced with the memory-bandwidth
 line ``calibrate`` fits to exactly those passes (``row_pass_seconds``; profiles without

@@ -17,6 +17,7 @@ import torch
 
 from .experts import ACTIVATIONS
 from .gemm import GEMM_PATHS
+from .guard import check_receive_capacity_factor
 from .router import RouterConfig
 
 DEDUP_MODES = ("off", "auto", "on")
@@ -64,6 +65,16 @@ class MoEConfig:
         group uses it only if every rank allows it. No effect on CUDA.
         check_finite: refuse non-finite inputs on every rank (one all-reduce of a flag over
         the world per forward, and a host read of the input's finiteness).
+    Load imbalance:
+        receive_capacity_factor: None (no guard) or a finite f >= 1: no EP rank processes
+        more than cap = ceil(f x mean) received rows, mean = the EP group's routes / ep. An
+        over-full rank's cap is shared over its (sender, local expert) cells in proportion
+        to their routes (largest remainder, ties to the lower sender, then expert), and
+        each sender drops, per cell, its lowest-weight routes past the share (ties: the
+        later in slot-major order). Every rank computes the same quotas from the counts
+        exchange (no extra collective); the dropped routes weigh 0 and are counted in
+        ``moe.stats`` (``moepar.moe.guard``). Dropless mode only (not with pad_to_capacity);
+        dedup is used only in steps where the guard cuts nothing.
     Routing: ``router`` (``RouterConfig``: k, score_func, capacity_factor, aux_loss, ...);
         its ``hidden``/``num_experts``/``init_seed``/``init_std`` are the layer's.
     """
@@ -88,6 +99,8 @@ class MoEConfig:
     dedup: str = "auto"
     cpu_source_major: bool = True
     check_finite: bool = False
+    # Load imbalance (issue 19, part 3).
+    receive_capacity_factor: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name, lo in (("hidden", 1), ("num_experts", 1), ("ep_size", 1), ("expert_tensor_parallel_size", 1),
@@ -122,6 +135,10 @@ class MoEConfig:
         if (router.hidden, router.num_experts) != (self.hidden, self.num_experts):
             raise ValueError(f"router has hidden={router.hidden}, num_experts={router.num_experts} but the "
                              f"layer hidden={self.hidden}, num_experts={self.num_experts}")
+        check_receive_capacity_factor(self.receive_capacity_factor)
+        if self.receive_capacity_factor is not None and router.pad_to_capacity:
+            raise ValueError(f"receive_capacity_factor={self.receive_capacity_factor!r} needs dropless dispatch: "
+                             f"pad_to_capacity=True already gives every rank the same rows")
         object.__setattr__(self, "router", dataclasses.replace(router, init_seed=self.init_seed,
                                                                init_std=self.init_std))
 

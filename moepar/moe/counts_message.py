@@ -1,16 +1,19 @@
 """The layout of the dispatcher's counts message (torch-free, so the cost model can read it).
 
 Before any token moves, every EP rank sends each EP peer one int64 row: the number of
-routes it sends to each of that peer's L local experts, then the metadata ``FIELDS`` that
-the group checks and agrees on (so that a bad input on one rank raises on all of them, and
-every rank picks the same exchange form). One all-to-all of ``ep`` rows of ``width(L)``
+routes it sends to each of the E global experts (the same E counts to every peer, so that
+after the one all-to-all every rank holds the group's whole [P, E] load matrix: the
+overload figures of ``moe.stats`` and the receive guard's quotas need it, and every rank
+computes them alike, with no second collective), then the metadata ``FIELDS`` that the
+group checks and agrees on (so that a bad input on one rank raises on all of them, and
+every rank picks the same exchange form). One all-to-all of ``ep`` rows of ``width(E)``
 int64 each per rank: ``message_bytes`` is what the cost model prices.
 """
 from __future__ import annotations
 
 INT64_BYTES = 8
 
-# Metadata columns after the L counts, in order.
+# Metadata columns after the E counts, in order.
 FIELDS = (
     "hidden",              # the sender's hidden size (must agree)
     "dtype",               # the sender's activation dtype, as a small code (must agree)
@@ -24,16 +27,16 @@ FIELDS = (
 )
 
 
-def width(num_local_experts: int) -> int:
-    """int64 columns of one row: the L counts and the metadata."""
-    return num_local_experts + len(FIELDS)
+def width(num_experts: int) -> int:
+    """int64 columns of one row: the E counts and the metadata."""
+    return num_experts + len(FIELDS)
 
 
-def column(name: str, num_local_experts: int) -> int:
+def column(name: str, num_experts: int) -> int:
     """Column index of metadata field ``name`` in a row."""
-    return num_local_experts + FIELDS.index(name)
+    return num_experts + FIELDS.index(name)
 
 
 def message_bytes(num_experts: int, ep: int) -> int:
-    """Bytes one rank sends in the counts all-to-all: ep rows of width(E/ep) int64."""
-    return ep * width(num_experts // ep) * INT64_BYTES
+    """Bytes one rank sends in the counts all-to-all: ep rows of width(E) int64."""
+    return ep * width(num_experts) * INT64_BYTES

@@ -7,10 +7,12 @@ M rows this rank's experts process, S = ep*etp source blocks, P the EP group siz
 ``dispatch`` (dropless), each step a method below:
   1. ``_tp_share``        with a TP group whose ranks hold the same tokens, keep this TP
                           rank's 1/tp share of them (a slice: no communication);
-  2. ``_exchange_counts`` count the routes per expert, and send each EP peer its experts'
-                          counts plus the metadata of ``counts_message.FIELDS``: every rank
+  2. ``_exchange_counts`` count the routes per expert, and send each EP peer the counts
+                          plus the metadata of ``counts_message.FIELDS``: every rank
                           checks its peers' (a bad input on one rank raises on all) and the
-                          group agrees on the exchange form;
+                          group agrees on the exchange form and on the receive guard's
+                          quotas (``guard.py``);
+     ``_apply_guard``     drop the routes past this rank's quotas (receive guard only);
   3. ``_permute``         the rows, expert-major (global expert = peer-major);
   4. ``_exchange_tokens`` one all-to-all-v of the rows over the EP group;
   5. ``_gather_etp``      with expert TP, all-gather the rows of the ETP peers;
@@ -21,7 +23,7 @@ the weighted unpermute, the TP all-gather of the token shares. Padded capacity m
 (``_dispatch_padded``) and dedup (``_dispatch_dedup``, ``dedup.py``) replace steps 1-6.
 
 Collectives per call (b = bytes per element), in order:
-  dispatch: [ep>1] counts all-to-all, P * counts_message.width(L) int64 ; [ep>1] token
+  dispatch: [ep>1] counts all-to-all, P * counts_message.width(E) int64 ; [ep>1] token
             all-to-all, N*D*b sent; [etp>1] all-gather of the counts matrix (etp*ep*L*8) and
             of the rows (etp*M_r*D*b)
   combine:  [etp>1] reduce-scatter of the partial outputs (etp*M_r*D*b) ; [ep>1] token all-to-all back
@@ -51,6 +53,7 @@ from moepar_kernels.permute_checks import check_permute_args
 from ..parallel import comm
 from . import counts_message, cpu
 from .dedup import DEDUP_MAX_FRACTION, dedup_expand, dedup_rows, dedup_send, group_dedups  # noqa: F401
+from .guard import GroupLoad, check_receive_capacity_factor, guard_drops, quotas
 
 # dtypes are exchanged as small integer codes (the counts message, the layer's preflight).
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
@@ -111,6 +114,7 @@ class DispatchMeta:
     # rows into x_local, weights_RK [R, K] in the graph); row_map_TK then maps routes to the
     # sent rows, -1 for a route whose rank an earlier route of its token already covers.
     dedup: tuple | None = None
+    load: GroupLoad | None = None        # the EP group's load (and the receive guard's cut)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +137,7 @@ class _Plan:
     dedup_rows: list[int] | None = None  # with dedup: rows to each peer / from each peer
     dedup_recv: list[int] | None = None
     source_major: bool = False           # leave the received rows source-major (cpu.py)
+    load: GroupLoad | None = None        # the group's [P, E] load, before and after the guard
 
 
 class Dispatcher:
@@ -143,15 +148,19 @@ class Dispatcher:
     ``etp_group``, ``tp_group`` (torch.distributed groups or None = one rank). Global expert
     g lives on EP rank ``g // L`` as its local expert ``g % L``. ``dedup``: "off" | "auto" |
     "on" (see the module docstring); ``stats`` receives every collective's event.
+    ``receive_capacity_factor``: None, or f >= 1: no rank receives more than
+    ceil(f x mean) rows (``guard.py`` states the rule; dropless mode only).
     """
 
     def __init__(self, num_experts: int, ep_group=None, etp_group=None, tp_group=None,
                  stats: comm.CommStats | None = None, *, state=None, sequence_parallel: bool = False,
-                 dedup: str = "auto"):
+                 dedup: str = "auto", receive_capacity_factor: float | None = None):
         if state is not None and any(g is not None for g in (ep_group, etp_group, tp_group)):
             raise ValueError("pass either state or explicit groups to the Dispatcher, not both")
         if dedup not in DEDUP_VOTES:
             raise ValueError(f"dedup={dedup!r} must be one of {tuple(DEDUP_VOTES)}")
+        check_receive_capacity_factor(receive_capacity_factor)
+        self.receive_capacity_factor = receive_capacity_factor
         self._state, self._groups = state, (ep_group, etp_group, tp_group)
         self.sequence_parallel, self.dedup = sequence_parallel, dedup
         self.num_experts, self.stats = num_experts, stats
@@ -198,6 +207,7 @@ class Dispatcher:
             return self._dispatch_padded(x_TD, expert_ids_TK, dropped_TK, weights_TK, capacity)
         routes = self._tp_share(x_TD, expert_ids_TK, dropped_TK, weights_TK)          # 1
         plan = self._exchange_counts(routes, source_major)                            # 2
+        routes = self._apply_guard(routes, plan)
         if plan.dedup_rows is not None:
             return self._dispatch_dedup(routes, plan)
         x_ND, row_map_TK = self._permute(routes)                                      # 3
@@ -206,7 +216,7 @@ class Dispatcher:
         x_local, regroup, segments = self._expert_major(x_recv, counts_SL, plan)      # 6
         return x_local, DispatchMeta(routes.x_TD.shape[0], row_map_TK, routes.weights_TK, plan.send, plan.recv,
                                      etp_sizes, regroup, counts_SL.sum(0), counts_SL, None, routes.token_sizes,
-                                     *(segments or (None, None)))
+                                     *(segments or (None, None)), load=plan.load)
 
     def _tp_share(self, x_TD, expert_ids_TK, dropped_TK, weights_TK) -> _Routes:
         """Step 1. Inside a TP group the tokens are replicated: each TP rank dispatches its
@@ -235,8 +245,9 @@ class Dispatcher:
         ids_R = ids_R.masked_fill(bad_R, E)
         ones_R = torch.ones_like(ids_R) if routes.dropped_TK is None else (~routes.dropped_TK).reshape(-1).long()
         counts_E = torch.zeros(E + 1, dtype=torch.int64, device=ids_R.device).scatter_add_(0, ids_R, ones_R)[:E]
-        if P == 1:
-            return _Plan(counts_E, counts_E.to("cpu", torch.int64).view(1, L), None, None)
+        if P == 1:   # (the guard never cuts one rank: its cap is >= its rows)
+            load_PE = counts_E.to("cpu", torch.int64).view(1, E)
+            return _Plan(counts_E, load_PE, None, None, load=GroupLoad(load_PE, load_PE, None, 0))
         n_bad = int(bad_R.sum())
         error = None if n_bad == 0 else f"expert_ids has {n_bad} route(s) outside [0, num_experts={E})"
         vote = self._dedup_vote(routes.expert_ids_TK)
@@ -246,13 +257,35 @@ class Dispatcher:
         on_cpu = x.device.type == "cpu" and source_major and self.etp == 1
         forms = SOURCE_MAJOR if on_cpu and cpu.source_major_pays(self.ep_group, L) else 0
         recv = self.counts_all_to_all(counts_E, x.shape[1], x.dtype, error, None, rows_P, vote, forms)
-        field = lambda name: recv[:, counts_message.column(name, L)]   # noqa: E731
-        counts_PL = recv[:, :L]
-        send, got = counts_E.view(P, L).sum(1).tolist(), counts_PL.sum(1).tolist()
-        if vote and group_dedups(field("dedup_mode"), field("dedup_rows"), field("routes")):
-            return _Plan(counts_E, counts_PL, send, got, rows_P.tolist(), field("dedup_rows_to_peer").tolist())
+        field = lambda name: recv[:, counts_message.column(name, E)]   # noqa: E731
+        # Every rank holds the group's [P, E] load: the same quotas everywhere.
+        load_PE, me = recv[:, :E].contiguous(), dist.get_rank(self.ep_group)
+        kept_PE, cap = load_PE, None
+        if self.receive_capacity_factor is not None:
+            kept_PE, cap = quotas(load_PE, self.receive_capacity_factor)
+        load = GroupLoad(load_PE, kept_PE, cap, me)
+        counts_PL = kept_PE[:, me * L:(me + 1) * L]
+        send, got = kept_PE[me].view(P, L).sum(1).tolist(), counts_PL.sum(1).tolist()
+        cut = kept_PE is not load_PE and bool((kept_PE != load_PE).any())
+        # Dedup rows were counted before the guard: the group takes dedup only if it cut nothing.
+        if vote and not cut and group_dedups(field("dedup_mode"), field("dedup_rows"), field("routes")):
+            return _Plan(counts_E, counts_PL, send, got, rows_P.tolist(), field("dedup_rows_to_peer").tolist(),
+                         load=load)
         group_source = bool(int(field("forms").min()) & SOURCE_MAJOR)
-        return _Plan(counts_E, counts_PL, send, got, source_major=group_source and L > 1)
+        return _Plan(counts_E, counts_PL, send, got, source_major=group_source and L > 1, load=load)
+
+    def _apply_guard(self, routes: _Routes, plan: _Plan) -> _Routes:
+        """Step 2b (receive guard): drop this rank's routes past its quotas, lowest routing
+        weight first within each expert (``guard.py``); they weigh 0 in the combine and the
+        permute skips them. No communication: the quotas came with the counts exchange."""
+        load = plan.load
+        if load is None or load.cap is None or load.guard_dropped == 0:
+            return routes
+        drop_TK = guard_drops(routes.expert_ids_TK, routes.weights_TK, routes.dropped_TK,
+                              load.kept_PE[load.rank])
+        dropped_TK = drop_TK if routes.dropped_TK is None else routes.dropped_TK | drop_TK
+        weights_TK = torch.where(drop_TK, torch.zeros_like(routes.weights_TK), routes.weights_TK)
+        return dataclasses.replace(routes, dropped_TK=dropped_TK, weights_TK=weights_TK)
 
     def _permute(self, routes: _Routes) -> tuple[torch.Tensor, torch.Tensor]:
         """Step 3: x_ND [N, D], each kept route's token row, expert-major; row_map_TK."""
@@ -297,7 +330,7 @@ class Dispatcher:
         tp = comm.group_size(self.tp_group)
         if P > 1:  # agree on one capacity
             recv = self.counts_all_to_all(torch.zeros(E, dtype=torch.int64), D, x_TD.dtype, None, capacity)
-            capacity = int(recv[:, counts_message.column("capacity", L)].max())
+            capacity = int(recv[:, counts_message.column("capacity", E)].max())
         capacity = -(-capacity // tp) * tp
         x_ND, _, row_map_TK = permute(x_TD, expert_ids_TK, dropped_TK, E, capacity=capacity)
         if tp > 1:
@@ -332,7 +365,7 @@ class Dispatcher:
         # The weights were applied on the receiver: the sender's unpermute sums with weight 1.
         return x_local, DispatchMeta(routes.x_TD.shape[0], row_map_TK, None, send, recv, None, None,
                                      plan.counts_PL.sum(0), plan.counts_PL, None, routes.token_sizes,
-                                     dedup=(row_map_RK, w_RK))
+                                     dedup=(row_map_RK, w_RK), load=plan.load)
 
     def _dedup_vote(self, expert_ids_TK: torch.Tensor) -> int:
         """This rank's dedup vote: 0 off, 1 auto, 2 on. Dedup needs more than one route per
@@ -348,22 +381,23 @@ class Dispatcher:
                            capacity: int | None, dedup_P: torch.Tensor | None = None, dedup_vote: int = 0,
                            forms: int = 0) -> torch.Tensor:
         """Send each EP peer the counts for its experts plus the metadata of
-        ``counts_message.FIELDS``; receive [P, width(L)]. Every rank checks every peer's
+        ``counts_message.FIELDS``; receive [P, width(E)]. Every rank checks every peer's
         metadata, so a bad input on one rank raises on all of them here, before any token
-        moves. Bytes: P * width(L) * 8 each way."""
-        P, L = self.ep, self.num_local
+        moves. Bytes: P * width(E) * 8 each way."""
+        P, E = self.ep, self.num_experts
         if dedup_P is None:
             dedup_P, dedup_vote = torch.zeros(P, dtype=torch.int64), 0
         values = {"hidden": hidden, "dtype": dtype_code(dtype), "error": int(error is not None),
                   "capacity": capacity or 0, "routes": int(counts_E.sum()), "dedup_mode": dedup_vote,
                   "dedup_rows": int(dedup_P.sum()), "forms": forms}
         meta = torch.tensor([values.get(name, 0) for name in counts_message.FIELDS], dtype=torch.int64)
-        send = torch.cat([counts_E.to("cpu", torch.int64).view(P, L), meta.expand(P, -1).clone()], dim=1)
-        send[:, counts_message.column("dedup_rows_to_peer", L)] = dedup_P.to("cpu", torch.int64)
+        # Every peer gets all E counts (the group's load matrix, counts_message): P*E*8 bytes.
+        send = torch.cat([counts_E.to("cpu", torch.int64).view(1, E).expand(P, -1), meta.expand(P, -1)], dim=1)
+        send[:, counts_message.column("dedup_rows_to_peer", E)] = dedup_P.to("cpu", torch.int64)
         # Counts travel on the tokens' device (NCCL needs CUDA tensors); tiny.
         device = comm.small_device(self.ep_group, counts_E)
         recv = comm.all_to_all_rows(send.to(device), self.ep_group, None, None, stats=self.stats).cpu()
-        field = lambda name: recv[:, counts_message.column(name, L)]   # noqa: E731
+        field = lambda name: recv[:, counts_message.column(name, E)]   # noqa: E731
         me = dist.get_rank(self.ep_group)
         if error is not None:
             raise ValueError(error)
@@ -375,8 +409,8 @@ class Dispatcher:
             raise ValueError(f"MoE dispatch: hidden sizes {field('hidden').tolist()} and dtypes "
                              f"{[dtype_name(c) for c in field('dtype').tolist()]} differ across the EP "
                              f"group; every rank must send the same hidden size and dtype")
-        if (recv[:, :L] < 0).any():
-            raise ValueError(f"MoE dispatch: negative route counts received: {recv[:, :L].tolist()}")
+        if (recv[:, :E] < 0).any():
+            raise ValueError(f"MoE dispatch: negative route counts received: {recv[:, :E].tolist()}")
         return recv
 
     def preflight_error(self, error: str, hidden: int, dtype: torch.dtype) -> None:

@@ -30,6 +30,7 @@ from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import MoEConfig, make_config
 from .dispatcher import Dispatcher, dtype_code, dtype_name
 from .experts import GroupedExperts
+from .guard import GroupLoad
 from .router import TopKRouter
 
 
@@ -39,14 +40,36 @@ class MoEStats:
 
     tokens_per_expert: torch.Tensor | None = None  # [E] kept routes per global expert (this rank's router)
     routes: int = 0                                 # T*K routes the router produced
-    dropped: torch.Tensor | None = None             # scalar: routes dropped for capacity
+    dropped: torch.Tensor | None = None             # scalar: routes dropped for capacity + by the receive guard
     comm: comm.CommStats = dataclasses.field(default_factory=comm.CommStats)
+    # The EP group's load from the counts exchange (moepar.moe.guard.GroupLoad; None in
+    # padded capacity mode): overload factors, the receive guard's cap and drops.
+    load: GroupLoad | None = None
+    capacity_dropped: torch.Tensor | None = None    # scalar: the router's capacity drops alone
 
     @property
     def dropped_fraction(self) -> float:
+        """Fraction of the router's routes dropped, for capacity or by the receive guard.
+        Under TP without SP the guard cuts this TP rank's share of the tokens: its part is
+        the share's fraction of the routes kept after capacity (exact elsewhere)."""
         if self.dropped is None or self.routes == 0:
             return 0.0
-        return float(self.dropped) / self.routes
+        cap = float(self.capacity_dropped if self.capacity_dropped is not None else self.dropped)
+        guard = self.load.guard_dropped if self.load is not None else 0
+        if guard == 0:
+            return cap / self.routes
+        kept = 1.0 - cap / self.routes
+        return cap / self.routes + kept * guard / max(self.load.dispatched, 1)
+
+    @property
+    def expert_overload(self) -> float | None:
+        """max / mean routes per expert over the EP group (before the guard)."""
+        return None if self.load is None else self.load.expert_overload
+
+    @property
+    def rank_overload(self) -> float | None:
+        """max / mean rows received per EP rank (before the guard)."""
+        return None if self.load is None else self.load.rank_overload
 
     def comm_bytes(self, op: str | None = None, backward: bool | None = None) -> int:
         return sum(e.nbytes for e in self.comm.events
@@ -127,7 +150,8 @@ class MoE(nn.Module):
                                         init_seed + 2, cfg.init_std, cfg.dtype)
         self._stats = MoEStats()
         self.dispatcher = Dispatcher(num_experts, state=state, sequence_parallel=cfg.sequence_parallel,
-                                     stats=self._stats.comm, dedup=cfg.dedup)
+                                     stats=self._stats.comm, dedup=cfg.dedup,
+                                     receive_capacity_factor=cfg.receive_capacity_factor)
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
 
@@ -160,7 +184,7 @@ class MoE(nn.Module):
         y_TD = self.dispatcher.combine(y_local, meta)                                # 6-8. back, unpermute, gather
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self._sequence_sizes(x_TD))
-        self._record(routing)
+        self._record(routing, meta)
         return y_TD.reshape(x.shape)
 
     def _preflight(self, x: torch.Tensor) -> None:
@@ -216,7 +240,7 @@ class MoE(nn.Module):
             y_local = self.experts.add_output_bias(y_local, meta.tokens_per_local_expert)
         return y_local
 
-    def _record(self, routing) -> None:
+    def _record(self, routing, meta) -> None:
         """The losses and statistics of this forward."""
         self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
         if self.aux_loss_scope == "global" and self.state.dp_size > 1:
@@ -227,7 +251,10 @@ class MoE(nn.Module):
             self.z_loss = _scale_grad(self.z_loss, self.state.dp_size)
         self._stats.tokens_per_expert = routing.tokens_per_expert.detach()
         self._stats.routes = routing.expert_ids.numel()
-        self._stats.dropped = routing.dropped.sum().detach()
+        self._stats.capacity_dropped = routing.dropped.sum().detach()
+        self._stats.load = meta.load
+        guard = 0 if meta.load is None else meta.load.guard_dropped
+        self._stats.dropped = self._stats.capacity_dropped + guard if guard else self._stats.capacity_dropped
 
     def _sequence_sizes(self, x_TD: torch.Tensor) -> list[int] | None:
         """Under sequence parallelism, every TP rank's token count (one small all-gather
