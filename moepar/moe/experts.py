@@ -39,10 +39,12 @@ import torch.nn.functional as F
 
 from moepar_kernels import workspace
 
+from .activations import ClampedSwiGLU
 from .gemm import GEMM_PATHS, _LoopGemm, choose_gemm_path, make_gemm, path_supported, resolve_gemm_path  # noqa: F401
 
 
-ACTIVATIONS = ("gelu", "swiglu", "relu")
+ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu")   # issue 18: + clamped_swiglu (GPT-OSS)
+GATED = ("swiglu", "clamped_swiglu")   # issue 18: activations with an up projection (w3/b3)
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: spreads (seed, g) over the 64-bit space
 
 
@@ -98,6 +100,9 @@ class _ExpertsFunction(torch.autograd.Function):
             if activation == "swiglu":
                 h3 = gemm.fwd(xg, part(w3), part(b3))
                 a = F.silu(h1).mul_(h3)
+            elif isinstance(activation, ClampedSwiGLU):   # issue 18: GPT-OSS's clamped SwiGLU
+                h3 = gemm.fwd(xg, part(w3), part(b3))
+                a = activation.forward(h1, h3)
             elif activation == "gelu":
                 a = F.gelu(h1)
             else:  # relu in place: the backward only needs the output's sign
@@ -142,7 +147,10 @@ class _ExpertsFunction(torch.autograd.Function):
             part = (lambda t: t) if ctx.mapped else (lambda t: _part(t, sl))   # noqa: E731
             gyg = gemm.pad(gy[r0:r1])
             if a is None:   # recompute the activation's output (gw2 needs it)
-                a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
+                if isinstance(act, ClampedSwiGLU):   # issue 18
+                    a = act.forward(h1, h3)
+                else:
+                    a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
             if gw2 is not None:
                 gemm.wgrad(a, gyg, out=part(gw2))
             if gb2 is not None:
@@ -155,6 +163,8 @@ class _ExpertsFunction(torch.autograd.Function):
             if act == "swiglu":
                 gh3 = F.silu(h1).mul_(ga)                 # d/dh3 of silu(h1) * h3
                 gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3), h1, grad_input=ga)
+            elif isinstance(act, ClampedSwiGLU):          # issue 18
+                gh1, gh3 = act.backward(ga, h1, h3)
             elif act == "gelu":
                 gh1 = torch.ops.aten.gelu_backward.grad_input(ga, h1, grad_input=ga)
             else:
@@ -208,7 +218,9 @@ class GroupedExperts(nn.Module):
     Args:
         num_local_experts: experts held here (E).
         hidden, ffn_hidden: D and the full (unsliced) F.
-        activation: "gelu" (exact erf), "swiglu" (silu(x w1) * (x w3)) or "relu".
+        activation: "gelu" (exact erf), "swiglu" (silu(x w1) * (x w3)), "relu" or
+            "clamped_swiglu" (GPT-OSS, ``moepar.moe.activations.ClampedSwiGLU`` with
+            ``activation_limit``/``activation_alpha``; w1 is the gate, w3 the up projection).
         bias: add b1 (b3) and b2.
         first_expert: global index of local expert 0 (EP rank * num_local_experts).
         etp_size, etp_rank: expert tensor parallelism; this rank holds columns
@@ -226,7 +238,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "gelu",
                  bias: bool = False, *, first_expert: int = 0, etp_size: int = 1, etp_rank: int = 0,
                  init_seed: int = 1234, init_std: float | None = None, dtype: torch.dtype | None = None,
-                 gemm_path: str = "auto"):
+                 gemm_path: str = "auto", activation_limit: float = 7.0, activation_alpha: float = 1.702):
         super().__init__()
         for name, v, lo in (("num_local_experts", num_local_experts, 1), ("hidden", hidden, 1),
                             ("ffn_hidden", ffn_hidden, 1), ("etp_size", etp_size, 1),
@@ -245,13 +257,16 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"init_std={init_std!r} must be None or > 0")
         self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
         self.activation, self.bias = activation, bool(bias)
+        # issue 18: what _ExpertsFunction gets: the name, or the clamped SwiGLU's constants
+        self._act = (ClampedSwiGLU(activation_limit, activation_alpha) if activation == "clamped_swiglu"
+                     else activation)
         self.first_expert, self.etp_size, self.etp_rank = first_expert, etp_size, etp_rank
         self.init_seed, self.init_std = int(init_seed), init_std
         self.gemm_path = gemm_path
         self.ffn_local = ffn_hidden // etp_size
         E, D, Fl = num_local_experts, hidden, self.ffn_local
         dtype = dtype or torch.get_default_dtype()
-        swiglu = activation == "swiglu"
+        swiglu = activation in GATED   # issue 18
         shapes = {"w1": ((E, D, Fl), 2), "w3": ((E, D, Fl), 2), "w2": ((E, Fl, D), 1),
                   "b1": ((E, Fl), 1), "b3": ((E, Fl), 1), "b2": ((E, D), None)}
         for name, (shape, pdim) in shapes.items():
@@ -274,7 +289,7 @@ class GroupedExperts(nn.Module):
         N(0, init_std) weights and zero biases."""
         gen = torch.Generator().manual_seed(_expert_seed(init_seed, g))
         D, Fh = hidden, ffn_hidden
-        names = ["w1"] + (["w3"] if activation == "swiglu" else []) + ["w2"]
+        names = ["w1"] + (["w3"] if activation in GATED else []) + ["w2"]   # issue 18: GATED
         shapes = {"w1": (D, Fh), "w3": (D, Fh), "w2": (Fh, D), "b1": (Fh,), "b3": (Fh,), "b2": (D,)}
         fan_in = {"w1": D, "w3": D, "w2": Fh, "b1": D, "b3": D, "b2": Fh}
         if bias:
@@ -362,14 +377,16 @@ class GroupedExperts(nn.Module):
             if any(not 0 <= e < self.num_local_experts for e in seg):
                 raise ValueError(f"segment_experts={seg} must lie in [0, num_local_experts={self.num_local_experts})")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
-            return _ExpertsFunction.apply(x_ND, *params, counts, "loop", self.activation, seg)
-        if torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor):
+            return _ExpertsFunction.apply(x_ND, *params, counts, "loop", self._act, seg)
+        # issue 18: the custom op takes activation names only; clamped_swiglu stays eager
+        if (torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor)
+                and not isinstance(self._act, ClampedSwiGLU)):
             # Traced: the counts' host read happens inside a custom op (no graph break).
             from .experts_op import experts_fwd
             return experts_fwd(x_ND, *params, tokens_per_expert, self.gemm_path, self.activation)
         counts = self._counts(tokens_per_expert, x_ND)
         path = self.resolve_gemm_path(x_ND, counts)
-        return _ExpertsFunction.apply(x_ND, *params, counts, path, self.activation, None)
+        return _ExpertsFunction.apply(x_ND, *params, counts, path, self._act, None)   # issue 18: _act
 
     def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """``y_ND`` plus b2 on each expert's row block (a no-op without bias). For the

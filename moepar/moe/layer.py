@@ -29,6 +29,7 @@ from ..parallel.groups import ParallelState, get_parallel_state
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .dispatcher import Dispatcher
 from .experts import GroupedExperts
+from .layer_options import SharedExpertGate, routes_as_rows, sum_routes   # issue 18
 from .router import TopKRouter
 
 
@@ -57,7 +58,8 @@ class SharedExperts(nn.Module):
     (column-parallel in, row-parallel out: one all-reduce forward, one backward)."""
 
     def __init__(self, hidden: int, ffn_hidden: int, activation: str, state: ParallelState,
-                 sequence_parallel: bool, init_seed: int, init_std: float | None, dtype):
+                 sequence_parallel: bool, init_seed: int, init_std: float | None, dtype,
+                 gate: bool = False):   # issue 18: gate = Qwen2-MoE's shared_expert_gate
         super().__init__()
         self.activation = activation
         kw = dict(bias=False, state=state, sequence_parallel=sequence_parallel, init_std=init_std, dtype=dtype)
@@ -65,6 +67,8 @@ class SharedExperts(nn.Module):
         self.w3 = (ColumnParallelLinear(hidden, ffn_hidden, init_seed=init_seed + 1, **kw)
                    if activation == "swiglu" else None)
         self.w2 = RowParallelLinear(ffn_hidden, hidden, init_seed=init_seed + 2, **kw)
+        # issue 18: sigmoid(x . w_gate) [T, 1] scales the output (weight [1, D] at self.gate.weight)
+        self.gate = SharedExpertGate(hidden, init_seed + 3, sequence_parallel, dtype) if gate else None
 
     def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None) -> torch.Tensor:
         """``sequence_sizes``: with sequence parallelism, every TP rank's token count."""
@@ -75,7 +79,8 @@ class SharedExperts(nn.Module):
             h = F.gelu(h)
         else:
             h = F.relu(h)
-        return self.w2(h, sequence_sizes)
+        y = self.w2(h, sequence_sizes)
+        return y if self.gate is None else self.gate(x) * y   # issue 18
 
 
 class MoE(nn.Module):
@@ -107,7 +112,12 @@ class MoE(nn.Module):
                  sequence_parallel: bool = False, state: ParallelState | None = None,
                  init_seed: int | None = None, init_std: float | None = None,
                  use_kernels: bool | None = None, gemm_path: str = "auto", checkpoint_experts: bool = False,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None,
+                 # issue 18: options for Hugging Face families (moepar.hf; docs/hf.md)
+                 shared_expert_gate: bool = False, router_bias: bool = False, score_before_experts: bool = False,
+                 activation_limit: float = 7.0, activation_alpha: float = 1.702, noise_eps: float = 1e-2,
+                 group_score: str = "sum_topn", group_score_topn: int | None = None,
+                 expert_capacity: int | None = None, aux_loss_convention: str = "moepar"):
         super().__init__()
         state = state if state is not None else get_parallel_state()
         self._check_layout(hidden, num_experts, ep_size, expert_tensor_parallel_size, state)
@@ -119,6 +129,13 @@ class MoE(nn.Module):
             raise ValueError(f"aux_loss_scope={aux_loss_scope!r} must be 'local' or 'global'")
         self.aux_loss_scope = aux_loss_scope
         self.pad_to_capacity = pad_to_capacity
+        # issue 18: Llama 4 scales each route's input by its weight, not its output
+        self.score_before_experts = bool(score_before_experts)
+        if shared_expert_gate and not num_shared_experts:
+            raise ValueError("shared_expert_gate=True needs num_shared_experts >= 1 (it gates their output)")
+        if num_shared_experts and activation == "clamped_swiglu":
+            raise ValueError("activation='clamped_swiglu' is for the routed experts only; shared experts "
+                             "take 'swiglu', 'gelu' or 'relu'")
         # Recompute the expert FFNs in backward instead of storing [M, F] activations; the
         # dispatch collectives sit outside the recomputed region, so none is re-run.
         self.checkpoint_experts = checkpoint_experts
@@ -132,7 +149,10 @@ class MoE(nn.Module):
             eval_capacity_factor=eval_capacity_factor, min_capacity=min_capacity, drop_policy=drop_policy,
             pad_to_capacity=pad_to_capacity, aux_loss=aux_loss, aux_loss_coeff=aux_loss_coeff,
             seq_len=seq_len, z_loss_coeff=z_loss_coeff, nonfinite="propagate", use_kernel=use_kernels,
-            init_seed=init_seed, init_std=init_std)
+            init_seed=init_seed, init_std=init_std,
+            bias=router_bias, noise_eps=noise_eps, group_score=group_score,   # issue 18
+            group_score_topn=group_score_topn, expert_capacity=expert_capacity,
+            aux_loss_convention=aux_loss_convention)
         if sequence_parallel and self.tp > 1:
             for p in self.router.parameters():  # fed only this rank's tokens: grads summed over TP
                 p.sequence_parallel = True
@@ -140,11 +160,13 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(
             self.num_local_experts, hidden, ffn_hidden, activation, bias,
             first_expert=state.ep_rank * self.num_local_experts, etp_size=self.etp, etp_rank=state.etp_rank,
-            init_seed=init_seed + 1, init_std=init_std, dtype=dtype, gemm_path=gemm_path)
+            init_seed=init_seed + 1, init_std=init_std, dtype=dtype, gemm_path=gemm_path,
+            activation_limit=activation_limit, activation_alpha=activation_alpha)   # issue 18
         self.shared = None
         if num_shared_experts:
             self.shared = SharedExperts(hidden, shared_ffn_hidden or ffn_hidden * num_shared_experts,
-                                        activation, state, sequence_parallel, init_seed + 2, init_std, dtype)
+                                        activation, state, sequence_parallel, init_seed + 2, init_std, dtype,
+                                        gate=shared_expert_gate)   # issue 18
         self._stats = MoEStats()
         self.dispatcher = Dispatcher(num_experts, state.ep_group, state.etp_group,
                                      None if sequence_parallel else state.tp_group, stats=self._stats.comm)
@@ -177,7 +199,7 @@ class MoE(nn.Module):
             return f"x's last dim is {tuple(x.shape)[-1:] or '()'} but the MoE layer has hidden={self.hidden}"
         if not x.is_floating_point():
             return f"x must be a floating-point tensor, got {x.dtype}"
-        return None
+        return self.router.config.input_error(x.numel() // self.hidden)   # issue 18: seq_len tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         error = self._input_error(x)
@@ -191,10 +213,13 @@ class MoE(nn.Module):
         # Dropless routing drops nothing: passing no mask keeps the row count static (T*K),
         # which torch.compile can trace without a data-dependent shape.
         dropped = routing.dropped if routing.capacity is not None else None
+        x_rows, ids, w = x_TD, routing.expert_ids, routing.weights
+        if self.score_before_experts:   # issue 18: route rows scaled by their weight, combined with 1
+            x_rows, ids, dropped, w = routes_as_rows(x_TD, ids, w, dropped)
         # Source-major rows (no regroup copy) when the experts can take them: not under
         # torch.compile (its custom op takes expert-major rows) and without expert TP.
         source_ok = self.etp == 1 and not torch.compiler.is_compiling()
-        x_local, meta = self.dispatcher.dispatch(x_TD, routing.expert_ids, dropped, routing.weights, capacity,
+        x_local, meta = self.dispatcher.dispatch(x_rows, ids, dropped, w, capacity,   # issue 18: x_rows, ids, w
                                                  source_major=source_ok)
         counts, seg = ((meta.tokens_per_local_expert, None) if meta.segment_experts is None
                        else (meta.segment_counts, meta.segment_experts))
@@ -205,6 +230,8 @@ class MoE(nn.Module):
         if self.etp > 1 and self.state.etp_rank == 0:  # partial sums: add the output bias once
             y_local = self.experts.add_output_bias(y_local, meta.tokens_per_local_expert)
         y_TD = self.dispatcher.combine(y_local, meta)
+        if self.score_before_experts:   # issue 18
+            y_TD = sum_routes(y_TD, x_TD.shape[0])
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self._sequence_sizes(x_TD))
         self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
