@@ -108,11 +108,11 @@ def block(family: str, seed: int = 0):
     return cfg, blk
 
 
-def inputs(family: str, seed: int = 1):
+def inputs(family: str, seed: int = 1, batch: int = B):
     gen = torch.Generator().manual_seed(seed)
-    scale = 2.5 if family == "gpt_oss" else 1.0   # GPT-OSS: reach its +-7 clamps
-    x = torch.randn(B, S, D, generator=gen) * scale
-    g = torch.randn(B, S, D, generator=gen)
+    scale = 2.5 if family == "gpt_oss" else 1.0   # GPT-OSS: ~1-2% of gate/up entries beyond its +-7 clamps
+    x = torch.randn(batch, S, D, generator=gen) * scale
+    g = torch.randn(batch, S, D, generator=gen)
     return x, g
 
 
@@ -126,24 +126,55 @@ def run(module, x, g):
 
 
 def compare(family: str, state=None) -> dict[str, float]:
-    """Max abs differences between the HF block and its moepar conversion (under ``state``):
-    output, input gradient and every HF weight's gradient (gathered)."""
+    """Max abs differences between the HF block and its moepar conversion: output, input
+    gradient and every HF weight's gradient (gathered), and the way back's round trip.
+
+    With a parallel ``state``, the HF block runs the whole batch of ``dp_size`` sequences
+    and data-parallel replica d the sequence d (its TP ranks share it); the moepar
+    gradients are summed over the replicas (``allreduce_gradients``, op="sum") before
+    they are compared with the HF block's. A collective then: call on every rank."""
     from moepar.hf import HFMoEBlock, convert_block, hf_state_dict
     from moepar.hf.families import family_of
+    from moepar.parallel import allreduce_gradients
     cfg, blk = block(family)
-    x, g = inputs(family)
+    batch = B if state is None else state.dp_size
+    x, g = inputs(family, batch=batch)
     y_ref, dx_ref = run(blk, x, g)
+    rows = slice(0, batch) if state is None else slice(state.dp_rank, state.dp_rank + 1)
     moe = convert_block(blk, cfg, state)
     wrapped = HFMoEBlock(moe, family_of(cfg), cfg).train(blk.training)
-    y, dx = run(wrapped, x, g)
-    out = {"y": float((y - y_ref).abs().max()), "dx": float((dx - dx_ref).abs().max()),
+    y, dx = run(wrapped, x[rows], g[rows])
+    if state is not None:
+        allreduce_gradients(moe, state, op="sum")
+    out = {"y": float((y - y_ref[rows]).abs().max()), "dx": float((dx - dx_ref[rows]).abs().max()),
            "scale": float(y_ref.abs().max())}
     grads = hf_state_dict(moe, cfg, grads=True)
-    ref = dict(blk.named_parameters())
-    for k, p in ref.items():
+    for k, p in blk.named_parameters():
         ref_grad = p.grad if p.grad is not None else torch.zeros_like(p)   # an expert with no tokens
         out["grad:" + k] = float((grads[k] - ref_grad).abs().max()) if k in grads else float("inf")
+        out["gscale:" + k] = float(ref_grad.abs().max())
     weights = hf_state_dict(moe, cfg)
     out["roundtrip"] = max(float((weights[k] - v).abs().max()) for k, v in blk.state_dict().items())
-    out["keys_equal"] = float(set(weights) != set(blk.state_dict()))
+    out["keys_differ"] = float(set(weights) != set(blk.state_dict()))
     return out
+
+
+def compare_layout(tp: int, ep: int, etp: int, families: list[str]) -> dict[str, dict[str, float]]:
+    """``compare`` for each family on this rank of a (tp, ep, etp) layout (run_ranks target)."""
+    from moepar.parallel import init_parallel
+    state = init_parallel(tp, ep, etp, verbose=False)
+    return {f: compare(f, state) for f in families}
+
+
+def bad_checkpoint_error(tp: int, ep: int) -> str:
+    """The ValueError every rank raises for a block with a misshapen expert tensor."""
+    from moepar.hf import convert_block
+    from moepar.parallel import init_parallel
+    state = init_parallel(tp, ep, verbose=False)
+    cfg, blk = block("qwen3_moe")
+    blk.experts.down_proj = torch.nn.Parameter(blk.experts.down_proj.detach()[:, :, :-1].clone())
+    try:
+        convert_block(blk, cfg, state)
+    except ValueError as e:
+        return str(e)
+    return ""

@@ -113,6 +113,7 @@ def convert_block(block: nn.Module | None, config, state: ParallelState | None =
     """
     state = state if state is not None else get_parallel_state()
     fam = families.family_of(config)
+    D, E, Fh, S, opts = _dims(config)   # options first: ValueError for what moepar cannot express
     if checkpoint is not None:
         source = checkpoint.block(prefix)
     elif block is not None:
@@ -122,7 +123,6 @@ def convert_block(block: nn.Module | None, config, state: ParallelState | None =
         source = DictSource(dict(block.state_dict()))
     else:
         raise ValueError("convert_block needs a block or a checkpoint to read the weights from")
-    D, E, Fh, S, opts = _dims(config)
     check_source(source, config)
     opts.update(overrides)
     dtype = source.dtype(families.expert_keys(fam, E)[0])
