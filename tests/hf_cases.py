@@ -178,3 +178,27 @@ def bad_checkpoint_error(tp: int, ep: int) -> str:
     except ValueError as e:
         return str(e)
     return ""
+
+
+def sharded_worker(path: str, ids: torch.Tensor):
+    """This rank's model from the sharded checkpoint (ep=2): its logits, and what it read."""
+    import_transformers()
+    from moepar.hf import load_pretrained
+    from moepar.hf.checkpoint import SafetensorsCheckpoint
+    from moepar.parallel import init_parallel
+    state = init_parallel(1, 2, verbose=False)
+    reads = []
+    orig = SafetensorsCheckpoint.get
+
+    def spy(self, key, rows=None):
+        reads.append((key, None if rows is None else (rows.start, rows.stop)))
+        return orig(self, key, rows)
+    SafetensorsCheckpoint.get = spy
+    try:
+        model, n = load_pretrained(path, state)
+    finally:
+        SafetensorsCheckpoint.get = orig
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    return n, logits, [r for r in reads if ".experts." in r[0]], state.ep_rank

@@ -7,7 +7,10 @@ import torch
 from . import hf_cases
 from .multiproc import run_ranks
 
-pytest.importorskip("transformers")
+try:
+    hf_cases.import_transformers()
+except ImportError:
+    pytest.skip("transformers is not installed (pip install moepar[hf])", allow_module_level=True)
 ATOL = 1e-5
 
 

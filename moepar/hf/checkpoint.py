@@ -22,20 +22,80 @@ from torch import nn
 from moepar.parallel.groups import ParallelState
 
 
-class _BlockView:
-    """One block's keys (a prefix) of a checkpoint, the interface ``convert_block`` reads."""
+# Hub checkpoints of some families keep the layout transformers 4.x had: the block under
+# another name, and one tensor per expert instead of the fused [E, ...] ones of the 5.x
+# modules. model_type -> (block module name on the Hub, per-expert gate/up/down names,
+# renamed keys). Read as the fused keys, per expert rows: only this rank's experts.
+HUB_LAYOUTS = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), {}),
+    "granitemoe": ("block_sparse_moe", None, {"experts.gate_up_proj": "input_linear.weight",
+                                              "experts.down_proj": "output_linear.weight",
+                                              "router.weight": "router.layer.weight"}),
+}
+_PER_EXPERT_DEFAULT = ("gate_proj", "up_proj", "down_proj")   # Qwen, DeepSeek, OLMoE, GLM
 
-    def __init__(self, ckpt: "SafetensorsCheckpoint", prefix: str):
+
+class _BlockView:
+    """One block's keys of a checkpoint, the interface ``convert_block`` reads, in the 5.x
+    module layout whatever the checkpoint's (``HUB_LAYOUTS``)."""
+
+    def __init__(self, ckpt: "SafetensorsCheckpoint", prefix: str, family=None):
         self.ckpt, self.prefix = ckpt, prefix
+        hub_block, per_expert, renames = HUB_LAYOUTS.get(getattr(family, "model_type", None), (None, None, {}))
+        self.renames = renames
+        self.per_expert = per_expert or (_PER_EXPERT_DEFAULT if getattr(family, "layout", "") == "fused_chunk"
+                                         else None)
+        self.hub_prefix = None
+        if hub_block and prefix.endswith(".") and "." in prefix[:-1]:
+            self.hub_prefix = prefix[:-1].rsplit(".", 1)[0] + "." + hub_block + "."
+
+    def _key(self, key):
+        """The checkpoint key holding ``key`` as is, or None."""
+        for pre in (self.prefix, self.hub_prefix):
+            if pre is None:
+                continue
+            for k in (key, self.renames.get(key)):
+                if k is not None and self.ckpt.shape(pre + k) is not None:
+                    return pre + k
+        return None
+
+    def _expert_keys(self, key, e):
+        """Per-expert checkpoint keys making up row e of fused ``key`` (None: not there)."""
+        if self.per_expert is None or key not in ("experts.gate_up_proj", "experts.down_proj"):
+            return None
+        gate, up, down = self.per_expert
+        names = (gate, up) if key == "experts.gate_up_proj" else (down,)
+        found = [self._key(f"experts.{e}.{n}.weight") for n in names]
+        return None if any(k is None for k in found) else found
 
     def shape(self, key):
-        return self.ckpt.shape(self.prefix + key)
+        k = self._key(key)
+        if k is not None:
+            return self.ckpt.shape(k)
+        first = self._expert_keys(key, 0)
+        if first is None:
+            return None
+        E = 0
+        while self._expert_keys(key, E) is not None:
+            E += 1
+        rows = [self.ckpt.shape(k) for k in first]
+        return (E, sum(r[0] for r in rows), rows[0][1])
 
     def dtype(self, key):
-        return self.ckpt.dtype(self.prefix + key)
+        k = self._key(key)
+        return self.ckpt.dtype(k if k is not None else self._expert_keys(key, 0)[0])
 
     def get(self, key, rows=None):
-        return self.ckpt.get(self.prefix + key, rows)
+        k = self._key(key)
+        if k is not None:
+            return self.ckpt.get(k, rows)
+        if self._expert_keys(key, 0) is None:
+            raise ValueError(f"checkpoint has no tensor {self.prefix + key!r}")
+        E = self.shape(key)[0]
+        lo, hi, _ = (rows or slice(0, E)).indices(E)
+        # [L, rows, cols]: gate and up stacked along the rows (the fused chunk order)
+        return torch.stack([torch.cat([self.ckpt.get(k_) for k_ in self._expert_keys(key, e)], dim=0)
+                            for e in range(lo, hi)])
 
 
 class SafetensorsCheckpoint:
@@ -78,20 +138,23 @@ class SafetensorsCheckpoint:
         return None if h is None else tuple(h.get_slice(key).get_shape())
 
     def dtype(self, key: str) -> torch.dtype:
-        return self.get(key, slice(0, 0)).dtype
+        """From the header only (no tensor read)."""
+        name = self._open(key).get_slice(key).get_dtype()
+        dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+        if name not in dtypes:
+            raise ValueError(f"checkpoint tensor {key!r} has dtype {name}; moepar reads F32, BF16, F16, F64")
+        return dtypes[name]
 
     def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
         h = self._open(key)
         if h is None:
             raise ValueError(f"checkpoint has no tensor {key!r}")
-        if rows is not None and rows != slice(0, 0):
-            self.reads.append((key, rows))
-        elif rows is None:
-            self.reads.append((key, None))
+        self.reads.append((key, rows))
         return h.get_tensor(key) if rows is None else h.get_slice(key)[rows]
 
-    def block(self, prefix: str) -> _BlockView:
-        return _BlockView(self, prefix)
+    def block(self, prefix: str, family=None) -> _BlockView:
+        """The tensors of the block at ``prefix`` (e.g. "model.layers.0.mlp.") of ``family``."""
+        return _BlockView(self, prefix, family)
 
 
 @contextlib.contextmanager

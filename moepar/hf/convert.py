@@ -115,7 +115,7 @@ def convert_block(block: nn.Module | None, config, state: ParallelState | None =
     fam = families.family_of(config)
     D, E, Fh, S, opts = _dims(config)   # options first: ValueError for what moepar cannot express
     if checkpoint is not None:
-        source = checkpoint.block(prefix)
+        source = checkpoint.block(prefix, fam)
     elif block is not None:
         if type(block).__name__ != fam.block_class:
             raise ValueError(f"block is a {type(block).__name__}, but model_type={fam.model_type!r} "
