@@ -152,6 +152,10 @@ class SafetensorsCheckpoint:
         self.reads.append((key, rows))
         return h.get_tensor(key) if rows is None else h.get_slice(key)[rows]
 
+    def close(self) -> None:
+        """Drop the open files (and their memory maps); later reads reopen them."""
+        self._handles.clear()
+
     def block(self, prefix: str, family=None) -> _BlockView:
         """The tensors of the block at ``prefix`` (e.g. "model.layers.0.mlp.") of ``family``."""
         return _BlockView(self, prefix, family)
@@ -174,9 +178,12 @@ def params_on_meta():
         nn.Module.register_parameter = original
 
 
-def load_pretrained(path: str, state: ParallelState | None = None, model_class=None, **overrides):
+def load_pretrained(path: str, state: ParallelState | None = None, model_class=None, keep_open: bool = False,
+                    **overrides):
     """An HF causal LM from the checkpoint at ``path`` with moepar MoE blocks, where this rank
-    reads only its own experts (and the dense part). Returns (model, number of blocks)."""
+    reads only its own experts (and the dense part). Returns (model, number of blocks).
+    The checkpoint's files are closed afterwards (their memory maps released) unless
+    ``keep_open``; ``model.hf_checkpoint`` is the ``SafetensorsCheckpoint``."""
     import transformers
     from .convert import replace_moe_blocks
     config = transformers.AutoConfig.from_pretrained(path)
@@ -204,6 +211,9 @@ def load_pretrained(path: str, state: ParallelState | None = None, model_class=N
         left = [n_ for n_, p in model.named_parameters() if p.device.type == "meta"]
         if left:
             raise ValueError(f"checkpoint {path!r} lacks tensors {left}")
+    model.hf_checkpoint = ckpt
+    if not keep_open:
+        ckpt.close()
     return model, n
 
 

@@ -140,16 +140,17 @@ def load_weights(moe: MoE, fam: Family, source, Fh: int) -> None:
     st, ex = moe.state, moe.experts
     L = moe.num_local_experts
     lo = st.ep_rank * L
-    full = families.read_experts(fam, source.get, lo, lo + L, Fh)
     Fl = ex.ffn_local
     cols = slice(ex.etp_rank * Fl, (ex.etp_rank + 1) * Fl)
-    for name, t in full.items():
-        p = getattr(ex, name)
-        if name in ("w1", "w3"):
-            t = t[:, :, cols]
-        elif name in ("w2", "b1", "b3"):
-            t = t[:, cols]
-        p.copy_(t)
+    for e in range(L):   # one expert at a time: the read's temporaries stay one expert large
+        full = families.read_experts(fam, source.get, lo + e, lo + e + 1, Fh)
+        for name, t in full.items():
+            if name in ("w1", "w3"):
+                t = t[:, :, cols]
+            elif name in ("w2", "b1", "b3"):
+                t = t[:, cols]
+            getattr(ex, name)[e:e + 1].copy_(t)
+        del full
     dense = {n: source.get(k) for n, k in families.dense_keys(fam, moe.router.bias is not None).items()}
     moe.router.weight.copy_(dense["router_weight"].float())
     if "router_bias" in dense:
