@@ -96,6 +96,12 @@ class MoE(nn.Module):
     ``sequence_parallel=True`` means x holds this TP rank's own slice of the tokens (the
     slices may differ in length; the aux-loss statistics are then summed over the TP group);
     otherwise x is replicated over the TP group and each TP rank dispatches a 1/tp share of it.
+    Options for Hugging Face families (docs/hf.md): ``router_bias``; ``shared_expert_gate``
+    (Qwen2-MoE: the shared output times sigmoid(x . w_gate)); ``score_before_experts``
+    (Llama 4: each route's input scaled by its weight, outputs summed with weight 1);
+    ``activation="clamped_swiglu"`` with ``activation_limit``/``activation_alpha`` (GPT-OSS);
+    ``group_score``/``group_score_topn``, ``expert_capacity``, ``aux_loss_convention``,
+    ``noise_eps`` as in ``TopKRouter``.
     """
 
     def __init__(self, hidden: int, num_experts: int, ep_size: int = 1, *, k: int = 2,
