@@ -99,7 +99,10 @@ def main(argv=None) -> int:
     rank = dist.get_rank() if dist.is_initialized() else 0
     log = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     init = args.init or os.path.join(args.out, "init")
-    if args.init is None and rank == 0 and not os.path.exists(os.path.join(init, "config.json")):
+    build = args.init is None and rank == 0 and not os.path.exists(os.path.join(init, "config.json"))
+    if build and not dist.is_initialized():
+        build_initial(args, init)
+    elif build:
         # In a child process, so that building the whole model does not count in rank 0's RSS.
         import multiprocessing
         child = multiprocessing.get_context("spawn").Process(target=build_initial, args=(args, init))

@@ -2,7 +2,6 @@
 input gradient and every weight gradient within 1e-5 in fp32, in one process and on 4 gloo
 ranks; the way back (HF state dict) exactly; bad input a ValueError naming the problem."""
 import pytest
-import torch
 
 from . import hf_cases
 from .multiproc import run_ranks
