@@ -2,9 +2,13 @@
 obvious reference: group scores (sum of top-n, max), per-sequence absolute capacity, the
 HF aux-loss convention, the clamped SwiGLU, weights applied before the experts, the
 shared-expert gate and the router bias."""
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
+
+import moepar
 
 from moepar.moe.activations import ClampedSwiGLU, clamped_swiglu_reference
 from moepar.moe.experts import GroupedExperts
@@ -186,3 +190,44 @@ def test_shared_expert_gate_and_router_bias():
     torch.testing.assert_close(y, ref)
     with pytest.raises(ValueError, match="shared_expert_gate=True needs num_shared_experts"):
         MoE(8, 4, 1, shared_expert_gate=True, state=ParallelState.single())
+
+
+def test_hf_options_are_config_fields_and_router_fields_route_by_name():
+    # The layer options are MoEConfig fields; the routing ones reach RouterConfig through
+    # MoE(...)'s generic keyword routing (no forwarding written for them).
+    single = ParallelState.single()
+    moe = MoE(8, 4, 1, k=2, num_shared_experts=1, shared_expert_gate=True, router_bias=True,
+              score_before_experts=True, num_groups=2, topk_groups=1, group_score="sum_topn", group_score_topn=2,
+              expert_capacity=3, seq_len=4, aux_loss_convention="hf", noise_eps=0.05, state=single, init_seed=1)
+    c = moe.config
+    assert (c.shared_expert_gate, c.router_bias, c.score_before_experts) == (True, True, True)
+    r = c.router
+    assert (r.bias, r.group_score, r.group_score_topn, r.expert_capacity, r.seq_len, r.aux_loss_convention,
+            r.noise_eps) == (True, "sum_topn", 2, 3, 4, "hf", 0.05)
+    assert moe.router.config == dataclasses.replace(r, init_seed=1)
+    assert moe.router.bias is not None and moe.shared.gate is not None
+    # router_bias and a RouterConfig(bias=True) are one switch: either turns it on
+    via_router = moepar.MoEConfig(8, 4, router=RouterConfig(8, 4, bias=True))
+    assert via_router.router.bias and not moepar.MoEConfig(8, 4).router.bias
+    clamped = MoE(8, 4, 1, activation="clamped_swiglu", activation_limit=3.0, activation_alpha=1.5, state=single)
+    assert clamped.experts.w3 is not None and clamped.experts._act == ClampedSwiGLU(3.0, 1.5)
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(shared_expert_gate=True), r"shared_expert_gate=True needs num_shared_experts >= 1 .*got "
+                                    r"num_shared_experts=0"),
+    (dict(activation="clamped_swiglu", num_shared_experts=1), r"activation='clamped_swiglu' is for the routed "
+                                                              r"experts only, but num_shared_experts=1"),
+    (dict(activation_limit=0.0), r"activation_limit=0.0 must be a finite number > 0"),
+    (dict(activation_alpha=float("inf")), r"activation_alpha=inf must be a finite number > 0"),
+    (dict(activation_limit=True), r"activation_limit=True must be a finite number > 0"),
+    (dict(score_before_experts=1), r"score_before_experts=1 must be True or False"),
+    (dict(router_bias="yes"), r"router_bias='yes' must be True or False"),
+    (dict(shared_expert_gate=None, num_shared_experts=1), r"shared_expert_gate=None must be True or False"),
+    (dict(activation="clamped"), r"activation='clamped' must be one of .*'clamped_swiglu'"),
+])
+def test_hf_option_errors_name_the_value_and_the_rule(kw, match):
+    with pytest.raises(ValueError, match=match):
+        moepar.MoEConfig(8, 4, **kw)
+    with pytest.raises(ValueError, match=match):
+        MoE(8, 4, 1, state=ParallelState.single(), **kw)
