@@ -43,6 +43,7 @@ CASES = [
     dict(k=2, num_shared_experts=1, shared_expert_gate=True, activation="swiglu", router_bias=True),
     dict(k=2, score_before_experts=True, bias=True),
     dict(k=2, score_before_experts=True, capacity_factor=0.5, min_capacity=1, activation="swiglu"),
+    dict(k=2, score_before_experts=True, capacity_factor=0.5, min_capacity=1, pad_to_capacity=True, bias=True),
     dict(k=2, activation="clamped_swiglu", bias=True, router_bias=True, activation_limit=0.5),
     dict(k=3, num_experts=6, activation="clamped_swiglu", activation_limit=0.4, activation_alpha=1.0,
          score_before_experts=True),

@@ -76,7 +76,9 @@ class MoEConfig:
         score_before_experts: Llama 4: each route's input row is scaled by its routing
         weight before the expert FFN and the outputs are summed with weight 1,
         y_t = sum_k expert_k(w_tk * x_t); the weights still get their gradient through the
-        scaling. Every route then travels as its own row (no dedup gain).
+        scaling. Every route then travels as its own row ([T*K, D] scaled rows; no dedup
+        gain; without sequence parallelism the TP all-gathers of the outputs and of dX carry
+        T*K rows instead of T).
         activation_limit, activation_alpha: "clamped_swiglu" (GPT-OSS):
         a = (clamp(h3, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(h1, max=limit),
         h1 = x w1 + b1 (gate), h3 = x w3 + b3 (up); finite numbers > 0. Routed experts only:
