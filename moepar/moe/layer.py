@@ -158,16 +158,13 @@ class MoE(nn.Module):
         self._preflight(x)
         x_TD = x.reshape(-1, self.hidden)
         routing = self.router(x_TD, stats_group=self._aux_group())                   # 1. route
-        x_rows, ids, dropped, w = (x_TD, routing.expert_ids, routing.dropped if routing.capacity is not None
-                                   else None, routing.weights)
-        if self.config.score_before_experts:   # every route its own weight-scaled row, combined with 1
-            x_rows, ids, dropped, w = routes_as_rows(x_rows, ids, w, dropped)
+        x_rows, ids, dropped, w = self._dispatched_rows(x_TD, routing)
         x_local, meta = self.dispatcher.dispatch(                                    # 2-4. permute, exchange
             x_rows, ids, dropped, w, routing.capacity if self.pad_to_capacity else None,
             source_major=self.config.cpu_source_major and self.etp == 1 and not torch.compiler.is_compiling())
         y_local = self._run_experts(x_local, meta)                                   # 5. experts
         y_TD = self.dispatcher.combine(y_local, meta)                                # 6-8. back, unpermute, gather
-        if self.config.score_before_experts:
+        if self.config.score_before_experts:   # each token's K route rows summed: [T, D]
             y_TD = sum_routes(y_TD, x_TD.shape[0])
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self._sequence_sizes(x_TD))
@@ -212,6 +209,15 @@ class MoE(nn.Module):
         if not x.is_floating_point():
             return f"x must be a floating-point tensor, got {x.dtype}"
         return self.router.config.input_error(x.numel() // self.hidden)   # whole sequences of seq_len
+
+    def _dispatched_rows(self, x_TD: torch.Tensor, routing):
+        """What the dispatcher moves: (rows, expert ids, dropped or None, weights). The tokens
+        with their K routes [T, D] / [T, K]; with ``score_before_experts`` (Llama 4) every
+        route as its own row scaled by its weight [T*K, D], with ids [T*K, 1] and weight 1."""
+        dropped = routing.dropped if routing.capacity is not None else None
+        if not self.config.score_before_experts:
+            return x_TD, routing.expert_ids, dropped, routing.weights
+        return routes_as_rows(x_TD, routing.expert_ids, routing.weights, dropped)
 
     def _run_experts(self, x_local: torch.Tensor, meta) -> torch.Tensor:
         """Step 5: the local experts on the received rows (expert-major, or source-major
