@@ -324,13 +324,16 @@ def nonfinite_rows(x_TE: torch.Tensor) -> torch.Tensor:
     return bad_T
 
 
-def _group_mask(aff_TE: torch.Tensor, k: int, num_groups: int, topk_groups: int) -> torch.Tensor:
+def _group_mask(aff_TE: torch.Tensor, k: int, num_groups: int, topk_groups: int,
+                group_topn: int | None = None) -> torch.Tensor:
     """[T, E] bool: experts of each token's ``topk_groups`` best groups. A group's score
-    is the sum of its top ``max(1, k // topk_groups)`` affinities (capped at the group
-    size; DeepSeek-V3: k=8, 4 of 8 groups, top-2 sum); ties pick the lower group."""
+    is the sum of its top ``group_topn`` affinities; None: ``max(1, k // topk_groups)``
+    (Megatron's rule; DeepSeek-V3: k=8, 4 of 8 groups, top-2 sum), capped at the group size.
+    ``group_topn=1`` scores a group by its max (DeepSeek-V2's group_limited_greedy).
+    Ties pick the lower group."""
     T, E = aff_TE.shape
     per = E // num_groups
-    top = min(per, max(1, k // topk_groups))
+    top = min(per, max(1, k // topk_groups) if group_topn is None else group_topn)
     g_TG = aff_TE.view(T, num_groups, per).topk(top, dim=-1).values.sum(-1)
     best_TM = torch.sort(g_TG, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
     keep_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=aff_TE.device).scatter(1, best_TM, True)
@@ -340,13 +343,15 @@ def _group_mask(aff_TE: torch.Tensor, k: int, num_groups: int, topk_groups: int)
 def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
                       expert_bias_E: Optional[torch.Tensor] = None, normalize: bool = False,
                       scaling_factor: float = 1.0, *, num_groups: int | None = None,
-                      topk_groups: int | None = None, selection_noise_TE: Optional[torch.Tensor] = None,
+                      topk_groups: int | None = None, group_topn: int | None = None,
+                      selection_noise_TE: Optional[torch.Tensor] = None,
                       scores_TE: Optional[torch.Tensor] = None, bad_T: Optional[torch.Tensor] = None
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch routing with the kernel's semantics (autograd through the weights).
 
     Reference-only extras (the router's CPU path): group-limited selection
-    (``num_groups``/``topk_groups``) and ``selection_noise_TE`` added to the logits used
+    (``num_groups``/``topk_groups``, a group scored by its top ``group_topn`` affinities)
+    and ``selection_noise_TE`` added to the logits used
     for selection only (Gumbel "rsample" noise); the weights use the clean logits.
     A caller that already has them may pass ``scores_TE`` (softmax or sigmoid of the fp32
     logits, in the autograd graph; not for softmax_after_topk) and ``bad_T`` (the rows with a
@@ -374,7 +379,7 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
     else:
         key = aff
     if num_groups is not None:
-        keep = _group_mask(aff, k, num_groups, topk_groups if topk_groups is not None else num_groups)
+        keep = _group_mask(aff, k, num_groups, topk_groups if topk_groups is not None else num_groups, group_topn)
         key = torch.where(keep, key, torch.full_like(key, float("-inf")))
     ids_TK = _topk_lowest_index(key.detach(), k)
     if score_func == "softmax_after_topk":

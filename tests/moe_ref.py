@@ -77,8 +77,8 @@ def max_param_diff(model, ref, state, use_grad: bool) -> dict[str, float]:
 
 def full_weights(moe: MoE) -> dict:
     """The weights of a world-of-one ``moe`` as float64 leaves that require grad:
-    router [E, D] (+ expert_bias [E] or None), experts: one dict per global expert with
-    w1 [D, F], w3 [D, F] (swiglu), w2 [F, D] (+ b1 [F], b3 [F], b2 [D]), shared: the
+    router [E, D] (+ router_bias [E] and expert_bias [E], or None), experts: one dict per
+    global expert with w1 [D, F], w3 [D, F] (gated), w2 [F, D] (+ b1 [F], b3 [F], b2 [D]), shared: the
     shared FFN in nn.Linear layout (w1 [F, D], w3 [F, D], w2 [D, F]) or None."""
     def leaf(t):
         return t.detach().double().clone().requires_grad_()
@@ -94,24 +94,33 @@ def full_weights(moe: MoE) -> dict:
             shared["w3"] = leaf(moe.shared.w3.weight)
     # Qwen2-MoE's shared-expert gate (a [1, D] linear), where the layer has one.
     gate = getattr(moe.shared, "gate", None) if moe.shared is not None else None
-    eb = moe.router.expert_bias
-    return {"router": leaf(moe.router.weight), "expert_bias": None if eb is None else eb.detach().double().clone(),
+    eb, rb = moe.router.expert_bias, moe.router.bias
+    return {"router": leaf(moe.router.weight), "router_bias": None if rb is None else leaf(rb),
+            "expert_bias": None if eb is None else eb.detach().double().clone(),
             "experts": experts, "shared": shared, "shared_gate": None if gate is None else leaf(gate.weight)}
 
 
-def _act(h, activation, h3=None):
+GATED = ("swiglu", "clamped_swiglu")
+
+
+def _act(h, activation, h3=None, limit=7.0, alpha=1.702):
     if activation == "swiglu":
         return torch.nn.functional.silu(h) * h3
+    if activation == "clamped_swiglu":   # GPT-OSS: gate clamped above, up clamped both sides
+        g = torch.clamp(h, max=limit)
+        return (torch.clamp(h3, -limit, limit) + 1) * g * torch.sigmoid(alpha * g)
     if activation == "gelu":
         return torch.nn.functional.gelu(h)
     return torch.relu(h)
 
 
-def expert_ffn(x_D: torch.Tensor, p: dict, activation: str) -> torch.Tensor:
-    """One token through one expert: act(x w1 + b1) w2 + b2 (swiglu: silu(x w1 + b1) * (x w3 + b3))."""
+def expert_ffn(x_D: torch.Tensor, p: dict, activation: str, limit: float = 7.0, alpha: float = 1.702
+               ) -> torch.Tensor:
+    """One token through one expert: act(x w1 + b1) w2 + b2 (swiglu: silu(x w1 + b1) * (x w3 + b3);
+    clamped_swiglu: the same two projections through ``_act`` with ``limit``/``alpha``)."""
     h = x_D @ p["w1"] + (p["b1"] if "b1" in p else 0.0)
-    h3 = x_D @ p["w3"] + (p["b3"] if "b3" in p else 0.0) if activation == "swiglu" else None
-    return _act(h, activation, h3) @ p["w2"] + (p["b2"] if "b2" in p else 0.0)
+    h3 = x_D @ p["w3"] + (p["b3"] if "b3" in p else 0.0) if activation in GATED else None
+    return _act(h, activation, h3, limit, alpha) @ p["w2"] + (p["b2"] if "b2" in p else 0.0)
 
 
 def shared_ffn(x_D: torch.Tensor, p: dict, activation: str, gate_weight: torch.Tensor | None = None) -> torch.Tensor:
@@ -141,12 +150,12 @@ def route_per_token(x_TD, w: dict, *, k: int, score_func: str = "softmax", norma
     logit for softmax_after_topk; ties to the lower expert id. Capacity: per expert, the
     routes ranked by weight (``probs``) or by arrival (``position``; arrival is slot-major:
     every token's first choice before any second choice, which also breaks weight ties)."""
-    W, bias = w["router"], w["expert_bias"]
+    W, bias, router_bias = w["router"], w["expert_bias"], w.get("router_bias")
     E = W.shape[0]
     normalize = normalize_weights if normalize_weights is not None else (score_func == "sigmoid" and k > 1)
     ids, weights = [], []
     for t in range(x_TD.shape[0]):
-        logits = W @ x_TD[t].double()
+        logits = W @ x_TD[t].double() + (router_bias if router_bias is not None else 0.0)
         scores = torch.sigmoid(logits) if score_func == "sigmoid" else torch.softmax(logits, 0)
         key = (logits if score_func == "softmax_after_topk" else scores).detach().tolist()
         if bias is not None:
@@ -175,17 +184,25 @@ def route_per_token(x_TD, w: dict, *, k: int, score_func: str = "softmax", norma
     return ids, weights, kept
 
 
-def moe_per_token(x_TD: torch.Tensor, w: dict, activation: str = "gelu", **route_kw) -> tuple[torch.Tensor, list]:
-    """y [T, D] float64 = sum over kept routes of weight x expert(x) (+ shared experts,
-    gated by ``w['shared_gate']`` when set); also the routing ``(ids, kept)``."""
+def moe_per_token(x_TD: torch.Tensor, w: dict, activation: str = "gelu", *, score_before_experts: bool = False,
+                  activation_limit: float = 7.0, activation_alpha: float = 1.702,
+                  **route_kw) -> tuple[torch.Tensor, list]:
+    """y [T, D] float64 = sum over kept routes of weight x expert(x) (score_before_experts:
+    of expert(weight x x), Llama 4's order) (+ shared experts, gated by ``w['shared_gate']``
+    when set); also the routing ``(ids, kept)``."""
     ids, weights, kept = route_per_token(x_TD, w, **route_kw)
     rows = []
     for t in range(x_TD.shape[0]):
         x = x_TD[t].double()
         y = torch.zeros(x.shape[0], dtype=torch.float64)
         for s, e in enumerate(ids[t]):
-            if kept[t][s]:
-                y = y + weights[t][s] * expert_ffn(x, w["experts"][e], activation)
+            if not kept[t][s]:
+                continue
+            p = w["experts"][e]
+            if score_before_experts:
+                y = y + expert_ffn(weights[t][s] * x, p, activation, activation_limit, activation_alpha)
+            else:
+                y = y + weights[t][s] * expert_ffn(x, p, activation, activation_limit, activation_alpha)
         if w["shared"] is not None:
             y = y + shared_ffn(x, w["shared"], activation, w.get("shared_gate"))
         rows.append(y)
@@ -209,6 +226,8 @@ def route_options(kw: dict, training: bool = True) -> dict:
 def grads_of(w: dict) -> dict[str, torch.Tensor]:
     """The reference's weight gradients under the layer's parameter names (full tensors)."""
     out = {"router.weight": w["router"].grad}
+    if w.get("router_bias") is not None:
+        out["router.bias"] = w["router_bias"].grad
     for n in w["experts"][0]:
         out[f"experts.{n}"] = torch.stack([p[n].grad if p[n].grad is not None else torch.zeros_like(p[n])
                                            for p in w["experts"]])
@@ -247,7 +266,8 @@ def per_token_reference(kw, xs, gs, training=True):
     ys, dxs, routings = [], [], []
     for x, g in zip(xs, gs):
         x = x.double().clone().requires_grad_()
-        y, routing = moe_per_token(x, w, kw.get("activation", "gelu"), **route_options(kw, training))
+        layer_opts = {n: kw[n] for n in ("score_before_experts", "activation_limit", "activation_alpha") if n in kw}
+        y, routing = moe_per_token(x, w, kw.get("activation", "gelu"), **layer_opts, **route_options(kw, training))
         (y * g.double()).sum().backward()
         ys.append(y.detach())
         dxs.append(x.grad)

@@ -33,6 +33,12 @@ OPTION_CASES = [
     dict(k=2, bias=True, num_shared_experts=1, dtype=torch.float64),
     dict(k=3, num_experts=6, activation="swiglu", capacity_factor=0.75, min_capacity=1, dtype=torch.float64),
     dict(k=2, bias=True, activation="swiglu", num_shared_experts=1, dtype=torch.bfloat16),
+    # Hugging Face families' layer options (moepar.hf)
+    dict(k=2, num_shared_experts=1, shared_expert_gate=True, activation="swiglu"),
+    dict(k=2, num_shared_experts=1, shared_expert_gate=True, router_bias=True, dtype=torch.float64),
+    dict(k=2, score_before_experts=True, bias=True),
+    dict(k=2, score_before_experts=True, capacity_factor=0.5, min_capacity=1, drop_policy="position"),
+    dict(k=2, activation="clamped_swiglu", bias=True, router_bias=True, activation_limit=0.5),
 ]
 TOKENS = 7   # per replica: an odd count, so the two TP ranks' route shares differ in size
 

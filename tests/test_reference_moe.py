@@ -36,6 +36,17 @@ CASES = [
     dict(k=2, num_shared_experts=1),
     dict(k=1, num_shared_experts=2, activation="swiglu", shared_ffn_hidden=10),
     dict(k=3, num_experts=8, num_shared_experts=1, bias=True, score_func="sigmoid", scaling_factor=2.0),
+    # Hugging Face families' layer options (moepar.hf): Qwen2-MoE's shared-expert gate,
+    # a router bias, Llama 4's score_before_experts, GPT-OSS's clamped SwiGLU (a small limit
+    # so that the clamps bite, see test_clamped_swiglu_case_clamps).
+    dict(k=2, num_shared_experts=1, shared_expert_gate=True),
+    dict(k=2, num_shared_experts=1, shared_expert_gate=True, activation="swiglu", router_bias=True),
+    dict(k=2, score_before_experts=True, bias=True),
+    dict(k=2, score_before_experts=True, capacity_factor=0.5, min_capacity=1, activation="swiglu"),
+    dict(k=2, score_before_experts=True, capacity_factor=0.5, min_capacity=1, pad_to_capacity=True, bias=True),
+    dict(k=2, activation="clamped_swiglu", bias=True, router_bias=True, activation_limit=0.5),
+    dict(k=3, num_experts=6, activation="clamped_swiglu", activation_limit=0.4, activation_alpha=1.0,
+         score_before_experts=True),
 ]
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: ",".join(f"{k}={v}" for k, v in c.items()))
@@ -63,6 +74,19 @@ def test_single_process_layer_equals_the_per_token_reference(case, tokens):
         for e, keep in zip(row, krow):
             load[e] += int(keep)
     assert moe.stats.tokens_per_expert.tolist() == load.tolist()
+
+
+def test_clamped_swiglu_case_clamps():
+    # The clamped_swiglu cases above would pass with the clamps ignored if no pre-activation
+    # left [-limit, limit]: check that both the gate's (above) and the up projection's (both
+    # sides) do on that input.
+    for limit in (0.5, 0.4):
+        moe = moe_ref.build(None, **layer_kw(dict(activation="clamped_swiglu", activation_limit=limit)))
+        x, _ = moe_ref.replica_input(0, 13)
+        h1 = torch.einsum("td,edf->etf", x, moe.experts.w1.detach())
+        h3 = torch.einsum("td,edf->etf", x, moe.experts.w3.detach())
+        assert (h1 > limit).any() and (h1 < limit).any()
+        assert (h3 > limit).any() and (h3 < -limit).any() and (h3.abs() < limit).any()
 
 
 def test_eval_mode_uses_eval_capacity_factor():
@@ -124,7 +148,10 @@ def test_distributed_layer_equals_the_per_token_reference():
     # the shared experts' all-reduce), compared with the maths rather than the layer.
     cases = [dict(k=2, num_shared_experts=1, bias=True),
              dict(k=3, num_experts=8, activation="swiglu", score_func="sigmoid", expert_bias=True),
-             dict(k=2, capacity_factor=0.5, min_capacity=1, drop_policy="position", bias=True)]
+             dict(k=2, capacity_factor=0.5, min_capacity=1, drop_policy="position", bias=True),
+             dict(k=2, num_shared_experts=1, shared_expert_gate=True, activation="swiglu", router_bias=True,
+                  score_before_experts=True),
+             dict(k=2, activation="clamped_swiglu", bias=True, activation_limit=0.5)]
     for rank, results in enumerate(run_ranks(_distributed_vs_per_token, 4, 2, 2, 2, cases)):
         for r in results:
             bad = {n: v for n, v in r["grads"].items() if not v <= 1}
@@ -134,7 +161,9 @@ def test_distributed_layer_equals_the_per_token_reference():
 def test_sequence_parallel_layer_equals_the_per_token_reference():
     # tp=2 ep=2 with sequence parallelism: 7 tokens a replica cut 4 + 3 over the TP ranks;
     # dropless (capacity is per rank's own slice under SP, not the replica's).
-    cases = [dict(k=2, num_shared_experts=1, bias=True), dict(k=3, num_experts=8, expert_bias=True)]
+    cases = [dict(k=2, num_shared_experts=1, bias=True), dict(k=3, num_experts=8, expert_bias=True),
+             # the gate and router bias see only this rank's tokens: grads summed over TP
+             dict(k=2, num_shared_experts=1, shared_expert_gate=True, router_bias=True, score_before_experts=True)]
     for rank, results in enumerate(run_ranks(_distributed_vs_per_token, 4, 2, 2, 1, cases, 7, True)):
         for r in results:
             bad = {n: v for n, v in r["grads"].items() if not v <= 1}

@@ -11,6 +11,7 @@ FFN biases here, the gate's there) goes to ``MoEConfig``; set the router's throu
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import torch
@@ -42,7 +43,7 @@ class MoEConfig:
         parallel state). expert_tensor_parallel_size: each expert's FFN sliced over this
         many ranks (must match the parallel state).
         ffn_hidden: the experts' F (default 4 * hidden). activation: "gelu" | "swiglu" |
-        "relu". bias: biases in the expert FFNs.
+        "relu" | "clamped_swiglu". bias: biases in the expert FFNs.
         num_shared_experts, shared_ffn_hidden: a dense FFN every token passes through
         (width shared_ffn_hidden, default ffn_hidden * num_shared_experts), TP-sliced.
         sequence_parallel: x holds this TP rank's own slice of the tokens (otherwise x is
@@ -77,6 +78,22 @@ class MoEConfig:
         dedup is used only in steps where the guard cuts nothing.
     Routing: ``router`` (``RouterConfig``: k, score_func, capacity_factor, aux_loss, ...);
         its ``hidden``/``num_experts``/``init_seed``/``init_std`` are the layer's.
+    Hugging Face families' options (``moepar.hf``, docs/hf.md):
+        shared_expert_gate: Qwen2-MoE's gate: the shared experts' output scaled per token by
+        sigmoid(x . w_gate), w_gate [1, D] at ``moe.shared.gate.weight``; needs
+        num_shared_experts >= 1.
+        router_bias: a trainable bias on the router's logits (``RouterConfig.bias``, which
+        the keyword ``bias`` cannot reach: that one is the experts'); either turns it on.
+        score_before_experts: Llama 4: each route's input row is scaled by its routing
+        weight before the expert FFN and the outputs are summed with weight 1,
+        y_t = sum_k expert_k(w_tk * x_t); the weights still get their gradient through the
+        scaling. Every route then travels as its own row ([T*K, D] scaled rows; no dedup
+        gain; without sequence parallelism the TP all-gathers of the outputs and of dX carry
+        T*K rows instead of T).
+        activation_limit, activation_alpha: "clamped_swiglu" (GPT-OSS):
+        a = (clamp(h3, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(h1, max=limit),
+        h1 = x w1 + b1 (gate), h3 = x w3 + b3 (up); finite numbers > 0. Routed experts only:
+        shared experts take "gelu" | "swiglu" | "relu".
     """
 
     hidden: int
@@ -101,6 +118,12 @@ class MoEConfig:
     check_finite: bool = False
     # Load imbalance (issue 19, part 3).
     receive_capacity_factor: Optional[float] = None
+    # Hugging Face families' options (issue 18; docstring above)
+    shared_expert_gate: bool = False
+    router_bias: bool = False
+    score_before_experts: bool = False
+    activation_limit: float = 7.0
+    activation_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name, lo in (("hidden", 1), ("num_experts", 1), ("ep_size", 1), ("expert_tensor_parallel_size", 1),
@@ -118,9 +141,11 @@ class MoEConfig:
                               ("gemm_path", GEMM_PATHS), ("dedup", DEDUP_MODES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
-        for name in ("bias", "sequence_parallel", "checkpoint_experts", "cpu_source_major", "check_finite"):
+        for name in ("bias", "sequence_parallel", "checkpoint_experts", "cpu_source_major", "check_finite",
+                     "shared_expert_gate", "router_bias", "score_before_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+        self._check_hf_options()
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise ValueError(f"dtype={self.dtype!r} must be None or a floating-point torch.dtype")
         if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
@@ -140,7 +165,22 @@ class MoEConfig:
             raise ValueError(f"receive_capacity_factor={self.receive_capacity_factor!r} needs dropless dispatch: "
                              f"pad_to_capacity=True already gives every rank the same rows")
         object.__setattr__(self, "router", dataclasses.replace(router, init_seed=self.init_seed,
-                                                               init_std=self.init_std))
+                                                               init_std=self.init_std,
+                                                               bias=router.bias or self.router_bias))
+
+    def _check_hf_options(self) -> None:
+        """The Hugging Face families' options (shared_expert_gate ... activation_alpha)."""
+        if self.shared_expert_gate and not self.num_shared_experts:
+            raise ValueError(f"shared_expert_gate=True needs num_shared_experts >= 1 (it gates their output), "
+                             f"got num_shared_experts={self.num_shared_experts}")
+        if self.num_shared_experts and self.activation == "clamped_swiglu":
+            raise ValueError(f"activation='clamped_swiglu' is for the routed experts only, but "
+                             f"num_shared_experts={self.num_shared_experts}; shared experts take "
+                             f"'gelu', 'swiglu' or 'relu'")
+        for name in ("activation_limit", "activation_alpha"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"{name}={v!r} must be a finite number > 0")
 
     @property
     def ffn(self) -> int:

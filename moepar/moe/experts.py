@@ -5,8 +5,8 @@ Legend: E local experts (``num_local_experts``), G global expert index, D hidden
 F ffn hidden held by this rank (``ffn_hidden / etp_size``), N rows (expert-major, the
 counts say how many rows each expert owns), C rows per expert in a padded block.
 
-Parameters: ``w1 [E, D, F]``, ``w3 [E, D, F]`` (swiglu only), ``w2 [E, F, D]``; with
-``bias=True`` also ``b1 [E, F]``, ``b3 [E, F]`` (swiglu), ``b2 [E, D]``.
+Parameters: ``w1 [E, D, F]``, ``w3 [E, D, F]`` (swiglu, clamped_swiglu), ``w2 [E, F, D]``; with
+``bias=True`` also ``b1 [E, F]``, ``b3 [E, F]`` (gated), ``b2 [E, D]``.
 Expert FFN: ``y = act(x @ w1 + b1) @ w2 + b2``; swiglu: ``(silu(x@w1+b1) * (x@w3+b3)) @ w2 + b2``.
 
 The forward and backward are one autograd Function that calls the GEMMs directly (no
@@ -37,12 +37,14 @@ import torch
 import torch.nn as nn
 
 
+from .activations import ClampedSwiGLU
 from .experts_fn import ExpertsFunction, check_counts
 from .experts_op import experts_fwd
 from .gemm import GEMM_PATHS, resolve_gemm_path
 
 
-ACTIVATIONS = ("gelu", "swiglu", "relu")
+ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu")   # clamped_swiglu: GPT-OSS (activations.py)
+GATED = ("swiglu", "clamped_swiglu")   # activations with an up projection (w3/b3)
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: spreads (seed, g) over the 64-bit space
 
 
@@ -60,7 +62,9 @@ class GroupedExperts(nn.Module):
     Args:
         num_local_experts: experts held here (E).
         hidden, ffn_hidden: D and the full (unsliced) F.
-        activation: "gelu" (exact erf), "swiglu" (silu(x w1) * (x w3)) or "relu".
+        activation: "gelu" (exact erf), "swiglu" (silu(x w1) * (x w3)), "relu" or
+            "clamped_swiglu" (GPT-OSS, ``moepar.moe.activations.ClampedSwiGLU`` with
+            ``activation_limit``/``activation_alpha``; w1 is the gate, w3 the up projection).
         bias: add b1 (b3) and b2.
         first_expert: global index of local expert 0 (EP rank * num_local_experts).
         etp_size, etp_rank: expert tensor parallelism; this rank holds columns
@@ -78,7 +82,7 @@ class GroupedExperts(nn.Module):
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "gelu",
                  bias: bool = False, *, first_expert: int = 0, etp_size: int = 1, etp_rank: int = 0,
                  init_seed: int = 1234, init_std: float | None = None, dtype: torch.dtype | None = None,
-                 gemm_path: str = "auto"):
+                 gemm_path: str = "auto", activation_limit: float = 7.0, activation_alpha: float = 1.702):
         super().__init__()
         for name, v, lo in (("num_local_experts", num_local_experts, 1), ("hidden", hidden, 1),
                             ("ffn_hidden", ffn_hidden, 1), ("etp_size", etp_size, 1),
@@ -97,13 +101,16 @@ class GroupedExperts(nn.Module):
             raise ValueError(f"init_std={init_std!r} must be None or > 0")
         self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
         self.activation, self.bias = activation, bool(bias)
+        # What ExpertsFunction gets: the name, or the clamped SwiGLU's constants (validated there).
+        self._act = (ClampedSwiGLU(activation_limit, activation_alpha) if activation == "clamped_swiglu"
+                     else activation)
         self.first_expert, self.etp_size, self.etp_rank = first_expert, etp_size, etp_rank
         self.init_seed, self.init_std = int(init_seed), init_std
         self.gemm_path = gemm_path
         self.ffn_local = ffn_hidden // etp_size
         E, D, Fl = num_local_experts, hidden, self.ffn_local
         dtype = dtype or torch.get_default_dtype()
-        swiglu = activation == "swiglu"
+        swiglu = activation in GATED
         shapes = {"w1": ((E, D, Fl), 2), "w3": ((E, D, Fl), 2), "w2": ((E, Fl, D), 1),
                   "b1": ((E, Fl), 1), "b3": ((E, Fl), 1), "b2": ((E, D), None)}
         for name, (shape, pdim) in shapes.items():
@@ -119,14 +126,14 @@ class GroupedExperts(nn.Module):
     @staticmethod
     def global_expert_init(g: int, hidden: int, ffn_hidden: int, activation: str, bias: bool,
                            init_seed: int, init_std: float | None) -> dict[str, torch.Tensor]:
-        """Full (unsliced) fp32 weights of global expert ``g``: w1 [D, F], w3 [D, F] (swiglu),
+        """Full (unsliced) fp32 weights of global expert ``g``: w1 [D, F], w3 [D, F] (gated),
         w2 [F, D], and b1 [F], b3 [F], b2 [D] with bias. Drawn in that order from
         ``torch.Generator().manual_seed(f(init_seed, g))``: U(+-1/sqrt(fan_in)) like
         nn.Linear (fan_in D for w1/w3/b1/b3, F for w2/b2) when ``init_std`` is None, else
         N(0, init_std) weights and zero biases."""
         gen = torch.Generator().manual_seed(_expert_seed(init_seed, g))
         D, Fh = hidden, ffn_hidden
-        names = ["w1"] + (["w3"] if activation == "swiglu" else []) + ["w2"]
+        names = ["w1"] + (["w3"] if activation in GATED else []) + ["w2"]
         shapes = {"w1": (D, Fh), "w3": (D, Fh), "w2": (Fh, D), "b1": (Fh,), "b3": (Fh,), "b2": (D,)}
         fan_in = {"w1": D, "w3": D, "w2": Fh, "b1": D, "b3": D, "b2": Fh}
         if bias:
@@ -214,13 +221,15 @@ class GroupedExperts(nn.Module):
             if any(not 0 <= e < self.num_local_experts for e in seg):
                 raise ValueError(f"segment_experts={seg} must lie in [0, num_local_experts={self.num_local_experts})")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
-            return ExpertsFunction.apply(x_ND, *params, counts, "loop", self.activation, seg)
-        if torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor):
+            return ExpertsFunction.apply(x_ND, *params, counts, "loop", self._act, seg)
+        # The custom op takes activation names only: clamped_swiglu (its constants) stays eager.
+        if (torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor)
+                and not isinstance(self._act, ClampedSwiGLU)):
             # Traced: the counts' host read happens inside a custom op (no graph break).
             return experts_fwd(x_ND, *params, tokens_per_expert, self.gemm_path, self.activation)
         counts = self._counts(tokens_per_expert, x_ND)
         path = self.resolve_gemm_path(x_ND, counts)
-        return ExpertsFunction.apply(x_ND, *params, counts, path, self.activation, None)
+        return ExpertsFunction.apply(x_ND, *params, counts, path, self._act, None)
 
     def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """``y_ND`` plus b2 on each expert's row block (a no-op without bias). For the

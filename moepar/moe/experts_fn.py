@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu
+from .activations import ClampedSwiGLU
 from .gemm import LoopGemm, make_gemm
 
 
@@ -57,6 +58,9 @@ class ExpertsFunction(torch.autograd.Function):
             if activation == "swiglu":
                 h3 = gemm.fwd(xg, part(w3), part(b3))
                 a = F.silu(h1).mul_(h3)
+            elif isinstance(activation, ClampedSwiGLU):   # GPT-OSS: w1 the gate, w3 the up projection
+                h3 = gemm.fwd(xg, part(w3), part(b3))
+                a = activation.forward(h1, h3)
             elif activation == "gelu":
                 a = F.gelu(h1)
             else:  # relu in place: the backward only needs the output's sign
@@ -101,7 +105,10 @@ class ExpertsFunction(torch.autograd.Function):
             part = (lambda t: t) if ctx.mapped else (lambda t: part_of(t, sl))   # noqa: E731
             gyg = gemm.pad(gy[r0:r1])
             if a is None:   # recompute the activation's output (gw2 needs it)
-                a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
+                if isinstance(act, ClampedSwiGLU):
+                    a = act.forward(h1, h3)
+                else:
+                    a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
             if gw2 is not None:
                 gemm.wgrad(a, gyg, out=part(gw2))
             if gb2 is not None:
@@ -114,6 +121,8 @@ class ExpertsFunction(torch.autograd.Function):
             if act == "swiglu":
                 gh3 = F.silu(h1).mul_(ga)                 # d/dh3 of silu(h1) * h3
                 gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3), h1, grad_input=ga)
+            elif isinstance(act, ClampedSwiGLU):
+                gh1, gh3 = act.backward(ga, h1, h3)
             elif act == "gelu":
                 gh1 = torch.ops.aten.gelu_backward.grad_input(ga, h1, grad_input=ga)
             else:

@@ -31,6 +31,7 @@ from .config import MoEConfig, make_config
 from .dispatcher import Dispatcher, dtype_code, dtype_name
 from .experts import GroupedExperts
 from .guard import GroupLoad
+from .layer_options import SharedExpertGate, routes_as_rows, sum_routes
 from .router import TopKRouter
 
 
@@ -78,10 +79,12 @@ class MoEStats:
 
 class SharedExperts(nn.Module):
     """A dense FFN every token passes through, TP-sliced like Megatron's MLP
-    (column-parallel in, row-parallel out: one all-reduce forward, one backward)."""
+    (column-parallel in, row-parallel out: one all-reduce forward, one backward).
+    ``gate``: Qwen2-MoE's shared_expert_gate, sigmoid(x . w_gate) [T, 1] scaling the output
+    (``self.gate.weight`` [1, D]; None without it)."""
 
     def __init__(self, hidden: int, ffn_hidden: int, activation: str, state: ParallelState,
-                 sequence_parallel: bool, init_seed: int, init_std: float | None, dtype):
+                 sequence_parallel: bool, init_seed: int, init_std: float | None, dtype, gate: bool = False):
         super().__init__()
         self.activation = activation
         kw = dict(bias=False, state=state, sequence_parallel=sequence_parallel, init_std=init_std, dtype=dtype)
@@ -89,6 +92,7 @@ class SharedExperts(nn.Module):
         self.w3 = (ColumnParallelLinear(hidden, ffn_hidden, init_seed=init_seed + 1, **kw)
                    if activation == "swiglu" else None)
         self.w2 = RowParallelLinear(ffn_hidden, hidden, init_seed=init_seed + 2, **kw)
+        self.gate = SharedExpertGate(hidden, init_seed + 3, sequence_parallel, dtype) if gate else None
 
     def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None) -> torch.Tensor:
         """``sequence_sizes``: with sequence parallelism, every TP rank's token count."""
@@ -99,7 +103,8 @@ class SharedExperts(nn.Module):
             h = F.gelu(h)
         else:
             h = F.relu(h)
-        return self.w2(h, sequence_sizes)
+        y = self.w2(h, sequence_sizes)
+        return y if self.gate is None else self.gate(x) * y
 
 
 class MoE(nn.Module):
@@ -143,11 +148,12 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(
             self.num_local_experts, hidden, cfg.ffn, cfg.activation, cfg.bias,
             first_expert=state.ep_rank * self.num_local_experts, etp_size=self.etp, etp_rank=state.etp_rank,
-            init_seed=init_seed + 1, init_std=cfg.init_std, dtype=cfg.dtype, gemm_path=cfg.gemm_path)
+            init_seed=init_seed + 1, init_std=cfg.init_std, dtype=cfg.dtype, gemm_path=cfg.gemm_path,
+            activation_limit=cfg.activation_limit, activation_alpha=cfg.activation_alpha)
         self.shared = None
         if cfg.num_shared_experts:
             self.shared = SharedExperts(hidden, cfg.shared_ffn, cfg.activation, state, cfg.sequence_parallel,
-                                        init_seed + 2, cfg.init_std, cfg.dtype)
+                                        init_seed + 2, cfg.init_std, cfg.dtype, gate=cfg.shared_expert_gate)
         self._stats = MoEStats()
         self.dispatcher = Dispatcher(num_experts, state=state, sequence_parallel=cfg.sequence_parallel,
                                      stats=self._stats.comm, dedup=cfg.dedup,
@@ -176,12 +182,14 @@ class MoE(nn.Module):
         self._preflight(x)
         x_TD = x.reshape(-1, self.hidden)
         routing = self.router(x_TD, stats_group=self._aux_group())                   # 1. route
+        x_rows, ids, dropped, w = self._dispatched_rows(x_TD, routing)
         x_local, meta = self.dispatcher.dispatch(                                    # 2-4. permute, exchange
-            x_TD, routing.expert_ids, routing.dropped if routing.capacity is not None else None,
-            routing.weights, routing.capacity if self.pad_to_capacity else None,
+            x_rows, ids, dropped, w, routing.capacity if self.pad_to_capacity else None,
             source_major=self.config.cpu_source_major and self.etp == 1 and not torch.compiler.is_compiling())
         y_local = self._run_experts(x_local, meta)                                   # 5. experts
         y_TD = self.dispatcher.combine(y_local, meta)                                # 6-8. back, unpermute, gather
+        if self.config.score_before_experts:   # each token's K route rows summed: [T, D]
+            y_TD = sum_routes(y_TD, x_TD.shape[0])
         if self.shared is not None:
             y_TD = y_TD + self.shared(x_TD, self._sequence_sizes(x_TD))
         self._record(routing, meta)
@@ -224,7 +232,16 @@ class MoE(nn.Module):
             return f"x's last dim is {tuple(x.shape)[-1:] or '()'} but the MoE layer has hidden={self.hidden}"
         if not x.is_floating_point():
             return f"x must be a floating-point tensor, got {x.dtype}"
-        return None
+        return self.router.config.input_error(x.numel() // self.hidden)   # whole sequences of seq_len
+
+    def _dispatched_rows(self, x_TD: torch.Tensor, routing):
+        """What the dispatcher moves: (rows, expert ids, dropped or None, weights). The tokens
+        with their K routes [T, D] / [T, K]; with ``score_before_experts`` (Llama 4) every
+        route as its own row scaled by its weight [T*K, D], with ids [T*K, 1] and weight 1."""
+        dropped = routing.dropped if routing.capacity is not None else None
+        if not self.config.score_before_experts:
+            return x_TD, routing.expert_ids, dropped, routing.weights
+        return routes_as_rows(x_TD, routing.expert_ids, routing.weights, dropped)
 
     def _run_experts(self, x_local: torch.Tensor, meta) -> torch.Tensor:
         """Step 5: the local experts on the received rows (expert-major, or source-major

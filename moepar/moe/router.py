@@ -28,6 +28,8 @@ NOISY_GATE_POLICIES = (None, "jitter", "rsample")
 DROP_POLICIES = ("probs", "position")
 AUX_LOSSES = (None, "switch", "seq")
 NONFINITE = ("raise", "propagate")
+GROUP_SCORES = ("sum_topn", "max")
+AUX_LOSS_CONVENTIONS = ("moepar", "hf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +74,8 @@ class RouterConfig:
     expert_bias: bool = False
     num_groups: Optional[int] = None
     topk_groups: Optional[int] = None
+    group_score: str = "sum_topn"
+    group_score_topn: Optional[int] = None
     noisy_gate_policy: Optional[str] = None
     noise_eps: float = 1e-2
     capacity_factor: Optional[float] = None
@@ -79,8 +83,10 @@ class RouterConfig:
     min_capacity: int = 4
     drop_policy: str = "probs"
     pad_to_capacity: bool = False
+    expert_capacity: Optional[int] = None
     aux_loss: Optional[str] = "switch"
     aux_loss_coeff: float = 1e-2
+    aux_loss_convention: str = "moepar"
     seq_len: Optional[int] = None
     z_loss_coeff: float = 0.0
     nonfinite: str = "raise"
@@ -113,6 +119,15 @@ class RouterConfig:
             if k > reachable:
                 raise ValueError(f"k={k} must be <= topk_groups={self.topk_groups} x experts per group "
                                  f"{E // self.num_groups} = {reachable}")
+        _one_of("group_score", self.group_score, GROUP_SCORES)
+        if self.group_score_topn is not None:
+            _positive_int("group_score_topn", self.group_score_topn)
+            if self.group_score == "max":
+                raise ValueError(f"group_score_topn={self.group_score_topn} goes with group_score='sum_topn'; "
+                                 f"group_score='max' scores a group by its largest affinity")
+            if self.num_groups is not None and self.group_score_topn > E // self.num_groups:
+                raise ValueError(f"group_score_topn={self.group_score_topn} must be <= experts per group "
+                                 f"{E // self.num_groups} (num_experts={E} / num_groups={self.num_groups})")
         _one_of("noisy_gate_policy", self.noisy_gate_policy, NOISY_GATE_POLICIES)
         if not (isinstance(self.noise_eps, (int, float)) and 0 < self.noise_eps < 1):
             raise ValueError(f"noise_eps={self.noise_eps!r} must be in (0, 1)")
@@ -122,11 +137,21 @@ class RouterConfig:
         if isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int) or self.min_capacity < 0:
             raise ValueError(f"min_capacity={self.min_capacity!r} must be an integer >= 0")
         _one_of("drop_policy", self.drop_policy, DROP_POLICIES)
-        if self.pad_to_capacity and self.capacity_factor is None and self.eval_capacity_factor is None:
-            raise ValueError("pad_to_capacity=True needs a capacity_factor (or eval_capacity_factor): "
-                             "dropless routing has no capacity to pad to")
+        if self.expert_capacity is not None:
+            _positive_int("expert_capacity", self.expert_capacity)
+            if self.capacity_factor is not None or self.eval_capacity_factor is not None:
+                raise ValueError(f"expert_capacity={self.expert_capacity} (absolute slots) and capacity_factor="
+                                 f"{self.capacity_factor} / eval_capacity_factor={self.eval_capacity_factor} "
+                                 f"(relative) are exclusive: set one")
+            if self.seq_len is not None:
+                _positive_int("seq_len", self.seq_len)
+        if (self.pad_to_capacity and self.capacity_factor is None and self.eval_capacity_factor is None
+                and self.expert_capacity is None):
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (or eval_capacity_factor, or "
+                             "expert_capacity): dropless routing has no capacity to pad to")
         _one_of("aux_loss", self.aux_loss, AUX_LOSSES)
         _nonneg_float("aux_loss_coeff", self.aux_loss_coeff)
+        _one_of("aux_loss_convention", self.aux_loss_convention, AUX_LOSS_CONVENTIONS)
         _nonneg_float("z_loss_coeff", self.z_loss_coeff)
         if self.aux_loss == "seq":
             if self.seq_len is None:
@@ -150,6 +175,12 @@ class RouterConfig:
             return self.normalize_weights
         return self.score_func == "sigmoid" and self.k > 1
 
+    @property
+    def group_topn(self) -> Optional[int]:
+        """How many of a group's best affinities sum to its score: 1 for "max", else
+        ``group_score_topn`` (None: the routing reference's max(1, k // topk_groups))."""
+        return 1 if self.group_score == "max" else self.group_score_topn
+
     def kernel_gap(self, training: bool = True) -> str:
         """Why the Triton kernel cannot serve this config ("" when it can); rsample noise
         only matters in training."""
@@ -166,13 +197,34 @@ class RouterConfig:
         return ""
 
     def capacity(self, num_tokens: int, training: bool) -> Optional[int]:
-        """max(ceil(T*K/E * factor), min_capacity) for this rank's T tokens; None = dropless."""
+        """max(ceil(T*K/E * factor), min_capacity) for this rank's T tokens; None = dropless.
+        With ``expert_capacity`` (absolute, per sequence of ``seq_len`` tokens when set):
+        that times the number of sequences, the most routes an expert can keep here."""
+        if self.expert_capacity is not None:
+            return self.expert_capacity * self.sequences(num_tokens)
         factor = self.capacity_factor if training or self.eval_capacity_factor is None else self.eval_capacity_factor
         if factor is None:
             return None
         # Exact rational arithmetic: 6*2/4*0.5 must be 1.5, not 1.5000000000000002.
         exact = Fraction(num_tokens * self.k, self.num_experts) * Fraction(repr(float(factor)))
         return max(math.ceil(exact), self.min_capacity)
+
+    def input_error(self, num_tokens: int) -> Optional[str]:
+        """What is wrong with routing ``num_tokens`` tokens under these options (None: fine),
+        for a caller to raise on every rank before any collective."""
+        if self.seq_len is not None and (self.aux_loss == "seq" or self.expert_capacity is not None):
+            if num_tokens % self.seq_len:
+                return f"{num_tokens} tokens are not a whole number of sequences of seq_len={self.seq_len}"
+        return None
+
+    def sequences(self, num_tokens: int) -> int:
+        """Sequences of ``seq_len`` among ``num_tokens`` (1 without seq_len); ValueError if
+        the tokens are not a whole number of sequences."""
+        if self.seq_len is None:
+            return 1
+        if num_tokens % self.seq_len:
+            raise ValueError(f"{num_tokens} tokens are not a whole number of sequences of seq_len={self.seq_len}")
+        return num_tokens // self.seq_len
 
 
 def capacity_drops(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, bad_T: torch.Tensor,
@@ -213,13 +265,22 @@ class TopKRouter(nn.Module):
       expert_bias: a non-trainable per-expert bias (buffer) added to the scores for
         selection only; ``update_expert_bias(rate)`` moves it from the load.
       num_groups / topk_groups: pick the best groups first, then top-k inside them.
+        group_score: how a group is scored from its experts' selection affinities:
+        "sum_topn" (sum of its top ``group_score_topn``; None = max(1, k // topk_groups),
+        Megatron's rule; DeepSeek-V3/GLM-4-MoE in transformers use 2) or "max" (its best
+        expert, DeepSeek-V2's group_limited_greedy).
       noisy_gate_policy: "jitter" (input x U(1-eps, 1+eps)) or "rsample" (Gumbel noise on
         the logits used for selection); training only.
       capacity_factor / eval_capacity_factor / min_capacity / drop_policy / pad_to_capacity:
         None is dropless; else capacity = max(ceil(T*K/E*factor), min_capacity) over this
         rank's tokens; pad_to_capacity asks the dispatcher for fixed ``capacity`` rows.
+        expert_capacity: absolute slots per expert instead of a factor (exclusive with it),
+        counted per sequence of ``seq_len`` tokens when seq_len is set (Switch
+        Transformers' expert_capacity), else over this rank's tokens.
       aux_loss: "switch", "seq" (per sequence of ``seq_len`` tokens) or None; aux_loss_coeff;
         z_loss_coeff (mean logsumexp^2). Both come back already scaled.
+        aux_loss_convention: "moepar" ((E/K) * sum_e f_e * P_e, 1.0 when balanced) or "hf"
+        (transformers' load_balancing_loss_func, E * sum_e f_e * P_e: K times moepar's).
       nonfinite: "raise" (ValueError on NaN/inf logits) or "propagate" (NaN weights).
       use_kernel: None = Triton on CUDA when it covers the options; True/False forces.
       init_seed / init_std: weights from ``Generator().manual_seed(init_seed)``;
@@ -318,14 +379,23 @@ class TopKRouter(nn.Module):
         else:
             # The reference reuses the scores (one softmax, one backward through it) and bad_T.
             ids_TK, w_TK, hist_E = _rk.routing_reference(
-                *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, selection_noise_TE=noise_TE,
+                *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, group_topn=cfg.group_topn,
+                selection_noise_TE=noise_TE,
                 scores_TE=scores_TE if cfg.score_func != "softmax_after_topk" else None, bad_T=bad_T)
         capacity = cfg.capacity(T, self.training)
         if capacity is None:
             dropped_TK = torch.zeros_like(ids_TK, dtype=torch.bool)
             kept_E = hist_E
         else:
-            dropped_TK = capacity_drops(ids_TK, w_TK, bad_T, capacity, cfg.drop_policy, E)
+            if cfg.expert_capacity is not None and cfg.seq_len is not None:
+                # Per-sequence slots (Switch Transformers' expert_capacity): sequence b's
+                # routes to expert e rank in their own bin b*E + e, [T, K] ids in [0, B*E).
+                seq_T = torch.arange(T, device=ids_TK.device) // cfg.seq_len
+                bins_TK = ids_TK + (seq_T * E)[:, None]
+                dropped_TK = capacity_drops(bins_TK, w_TK, bad_T, cfg.expert_capacity, cfg.drop_policy,
+                                            E * cfg.sequences(T))
+            else:
+                dropped_TK = capacity_drops(ids_TK, w_TK, bad_T, capacity, cfg.drop_policy, E)
             # Dropped routes weigh 0, except a non-finite token's, which stay NaN.
             w_TK = torch.where(dropped_TK & ~bad_T[:, None], torch.zeros_like(w_TK), w_TK)
             kept_E = torch.zeros(E, dtype=torch.int64, device=ids_TK.device).scatter_add_(
@@ -380,12 +450,16 @@ class TopKRouter(nn.Module):
             if cfg.aux_loss == "switch":
                 f_E, P_E = count_sum[:E].float() / tokens, diff_sum[:E] / tokens
                 aux = (E / K) * (f_E * P_E).sum()
+                if cfg.aux_loss_convention == "hf":   # transformers' load_balancing_loss_func: E * sum f*P
+                    aux = aux * K
             else:
                 B = T // cfg.seq_len
                 per_seq = tokens / max(B, 1)   # global tokens of each sequence
                 f_BE = count_sum[:B * E].view(B, E).float() / per_seq
                 P_BE = diff_sum[:B * E].view(B, E) / per_seq
                 aux = (E / K) * (f_BE * P_BE).sum(-1).mean() if B else zero
+                if cfg.aux_loss_convention == "hf":
+                    aux = aux * K
             aux = cfg.aux_loss_coeff * aux
         return aux, z
 

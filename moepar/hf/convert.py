@@ -1,0 +1,261 @@
+"""Hugging Face sparse-MoE blocks -> moepar ``MoE`` and back.
+
+``convert_block`` builds the MoE a block's family needs (``families.moe_options``) and
+copies this rank's share of its weights: its experts under EP, its ffn columns/rows of
+them under expert TP, its rows/columns of the shared experts under TP. The source is the
+block itself or a checkpoint read lazily (``SafetensorsCheckpoint``), so that a rank reads
+only its own experts. ``hf_state_dict`` is the way back: the block's HF tensors gathered
+from every rank, the exact inverse of the copy.
+
+Every check (model_type, options, tensor names and shapes) runs before anything is built
+and sees the same config and shapes on every rank, so every rank raises the same
+ValueError, and none waits in a collective for a peer that raised.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moepar.moe.layer import MoE
+from moepar.parallel.groups import ParallelState, get_parallel_state
+
+from . import families
+from .families import Family
+
+
+class DictSource:
+    """Tensors of one block from a state dict (keys relative to the block)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], prefix: str = ""):
+        self.tensors, self.prefix = tensors, prefix
+
+    def shape(self, key: str):
+        t = self.tensors.get(self.prefix + key)
+        return None if t is None else tuple(t.shape)
+
+    def dtype(self, key: str):
+        return self.tensors[self.prefix + key].dtype
+
+    def get(self, key: str, rows: slice | None = None) -> torch.Tensor:
+        t = self.tensors[self.prefix + key]
+        return t.detach() if rows is None else t.detach()[rows]
+
+
+class HFMoEBlock(nn.Module):
+    """A moepar ``MoE`` in place of an HF sparse-MoE block, with the block's call and return
+    convention: a tensor, or (tensor, router scores [T, K]) for GPT-OSS, (tensor, router
+    logits [T, E]) for Llama 4. For Switch Transformers, whose ``expert_capacity`` counts per
+    sequence, each call routes with ``seq_len`` = the input's sequence length (dim -2)."""
+
+    def __init__(self, moe: MoE, family: Family, config):
+        super().__init__()
+        self.moe = moe
+        self.model_type = family.model_type
+        self.returns = family.returns
+        self.hf_config = config
+        self._last = None
+        if self.returns != "tensor":
+            self.moe.router.register_forward_hook(self._keep_routing)
+
+    def _keep_routing(self, module, args, output) -> None:
+        self._last = (args[0], output)
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if self.model_type == "switch_transformers" and hidden_states.dim() >= 2:
+            cfg = self.moe.router.config
+            if cfg.seq_len != hidden_states.shape[-2]:
+                self.moe.router.config = dataclasses.replace(cfg, seq_len=hidden_states.shape[-2])
+        y = self.moe(hidden_states)
+        if self.returns == "tensor":
+            return y
+        x_TD, routing = self._last
+        self._last = None
+        if self.returns == "tuple_weights":
+            return y, routing.weights.to(y.dtype)
+        r = self.moe.router   # Llama 4's block returns its output flattened, [T, D]
+        return y.reshape(-1, y.shape[-1]), F.linear(x_TD.float(), r.weight, r.bias).to(y.dtype)
+
+
+def _dims(config):
+    D, E, Fh, opts = families.moe_options(config)
+    S = opts.get("shared_ffn_hidden", 0) if opts.get("num_shared_experts") else 0
+    return D, E, Fh, S, opts
+
+
+def check_source(source, config) -> None:
+    """ValueError naming every missing or misshapen tensor of the block."""
+    fam = families.family_of(config)
+    D, E, Fh, S, opts = _dims(config)
+    want = families.expected_shapes(fam, E, D, Fh, S, opts.get("router_bias", False))
+    missing = [k for k in want if source.shape(k) is None]
+    wrong = [f"{k}: {source.shape(k)} (expected {want[k]})" for k in want
+             if source.shape(k) is not None and source.shape(k) != want[k]]
+    if missing or wrong:
+        raise ValueError(f"{fam.model_type} block: " + "; ".join(
+            ([f"missing tensors {missing}"] if missing else []) + ([f"misshapen {wrong}"] if wrong else [])))
+
+
+def convert_block(block: nn.Module | None, config, state: ParallelState | None = None, *,
+                  checkpoint=None, prefix: str = "", **overrides) -> MoE:
+    """A moepar ``MoE`` equal to the HF ``block`` of ``config``'s family, holding this rank's
+    share of its weights.
+
+    ``state``: the parallel layout (default: the last ``moepar.init_parallel``).
+    ``checkpoint`` (a ``SafetensorsCheckpoint``) with ``prefix`` (the block's key prefix,
+    e.g. ``"model.layers.0.mlp."``) reads the weights from there instead, only this rank's
+    experts; ``block`` may then be None. ``overrides``: MoE options set on top of the
+    family's (e.g. ``aux_loss="switch"``, ``capacity_factor``; ``seq_len`` for Switch's
+    per-sequence capacity, which otherwise counts over all of the rank's tokens).
+    """
+    state = state if state is not None else get_parallel_state()
+    fam = families.family_of(config)
+    D, E, Fh, S, opts = _dims(config)   # options first: ValueError for what moepar cannot express
+    if checkpoint is not None:
+        source = checkpoint.block(prefix, fam)
+    elif block is not None:
+        if type(block).__name__ != fam.block_class:
+            raise ValueError(f"block is a {type(block).__name__}, but model_type={fam.model_type!r} "
+                             f"has {fam.block_class} blocks")
+        source = DictSource(dict(block.state_dict()))
+    else:
+        raise ValueError("convert_block needs a block or a checkpoint to read the weights from")
+    check_source(source, config)
+    opts.update(overrides)
+    dtype = source.dtype(families.expert_keys(fam, E)[0])
+    moe = MoE(D, E, state.ep_size, ffn_hidden=Fh, expert_tensor_parallel_size=state.etp_size, state=state,
+              init_seed=0, dtype=dtype, **opts)
+    load_weights(moe, fam, source, Fh)
+    if block is not None:
+        moe.train(block.training)   # e.g. no router jitter for a block in eval mode
+    return moe
+
+
+@torch.no_grad()
+def load_weights(moe: MoE, fam: Family, source, Fh: int) -> None:
+    """Copy this rank's share of the source's tensors into ``moe``."""
+    st, ex = moe.state, moe.experts
+    L = moe.num_local_experts
+    lo = st.ep_rank * L
+    Fl = ex.ffn_local
+    cols = slice(ex.etp_rank * Fl, (ex.etp_rank + 1) * Fl)
+    for e in range(L):   # one expert at a time: the read's temporaries stay one expert large
+        full = families.read_experts(fam, source.get, lo + e, lo + e + 1, Fh)
+        for name, t in full.items():
+            if name in ("w1", "w3"):
+                t = t[:, :, cols]
+            elif name in ("w2", "b1", "b3"):
+                t = t[:, cols]
+            getattr(ex, name)[e:e + 1].copy_(t)
+        del full
+    dense = {n: source.get(k) for n, k in families.dense_keys(fam, moe.router.bias is not None).items()}
+    moe.router.weight.copy_(dense["router_weight"].float())
+    if "router_bias" in dense:
+        moe.router.bias.copy_(dense["router_bias"].float())
+    if "expert_bias" in dense:
+        moe.router.expert_bias.copy_(dense["expert_bias"].float())
+    sh = moe.shared
+    if sh is not None:
+        n = sh.w1.weight.shape[0]   # this TP rank's rows of the shared ffn
+        rows = slice(st.tp_rank * n, (st.tp_rank + 1) * n)
+        sh.w1.weight.copy_(dense["shared_w1"][rows])
+        sh.w3.weight.copy_(dense["shared_w3"][rows])
+        sh.w2.weight.copy_(dense["shared_w2"][:, rows])
+        if sh.gate is not None:
+            sh.gate.weight.copy_(dense["shared_gate"])
+
+
+def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Concatenate every rank's ``t`` of ``group`` along ``dim`` (bytes: size * numel * b)."""
+    if group is None or dist.get_world_size(group) == 1:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
+@torch.no_grad()
+def hf_state_dict(moe: MoE, config, prefix: str = "", grads: bool = False) -> dict[str, torch.Tensor]:
+    """The HF block's tensors (``prefix`` + its keys), full, on every rank: experts gathered
+    over EP (and ETP), shared experts over TP. A collective: call it on every rank.
+    ``grads=True``: the parameters' gradients in the same layout (buffers left out)."""
+    fam = families.family_of(config)
+    st, ex = moe.state, moe.experts
+
+    def val(p):
+        if p is None:
+            return None
+        return (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+    full = {}
+    for name in ("w1", "w3", "w2", "b1", "b3", "b2"):
+        p = getattr(ex, name, None)
+        if p is None:
+            continue
+        t = val(p).detach()
+        pdim = getattr(p, "moepar_expert_partition_dim", None)
+        if pdim is not None and st.etp_size > 1:
+            t = _gather(t, st.etp_group, pdim)
+        full[name] = _gather(t, st.ep_group, 0)
+    dtype = ex.w1.dtype
+    out = {prefix + k: v.to(dtype) for k, v in families.write_experts(fam, full).items()}
+    keys = families.dense_keys(fam, moe.router.bias is not None)
+    dense = {"router_weight": val(moe.router.weight), "router_bias": val(moe.router.bias),
+             "expert_bias": None if grads else getattr(moe.router, "expert_bias", None)}
+    sh = moe.shared
+    if sh is not None:
+        dense.update(shared_w1=_gather(val(sh.w1.weight).detach(), st.tp_group, 0),
+                     shared_w3=_gather(val(sh.w3.weight).detach(), st.tp_group, 0),
+                     shared_w2=_gather(val(sh.w2.weight).detach(), st.tp_group, 1),
+                     shared_gate=None if sh.gate is None else val(sh.gate.weight))
+    for name, key in keys.items():
+        if dense[name] is not None:
+            out[prefix + key] = dense[name].detach().to(dtype).clone()
+    return out
+
+
+def text_config(model_or_config):
+    """The config holding the MoE fields (a multimodal model's text config)."""
+    cfg = getattr(model_or_config, "config", model_or_config)
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def moe_block_names(model: nn.Module, config=None) -> list[str]:
+    """Names of ``model``'s sparse-MoE blocks of its family (not yet replaced)."""
+    fam = families.family_of(config or text_config(model))
+    return [n for n, m in model.named_modules() if type(m).__name__ == fam.block_class]
+
+
+def replace_moe_blocks(model: nn.Module, state: ParallelState | None = None, *, checkpoint=None,
+                       **overrides) -> int:
+    """Swap every sparse-MoE block of the HF ``model`` for an ``HFMoEBlock`` (a moepar MoE
+    with the block's call convention), in place; returns how many were replaced.
+    ``checkpoint``: read each block's weights (this rank's experts only) from it instead
+    of from the block. ``overrides`` as in ``convert_block``."""
+    config = text_config(model)
+    fam = families.family_of(config)
+    names = moe_block_names(model, config)
+    for name in names:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        block = getattr(parent, attr)
+        moe = convert_block(None if checkpoint is not None else block, config, state, checkpoint=checkpoint,
+                            prefix=name + ".", **overrides)
+        setattr(parent, attr, HFMoEBlock(moe, fam, config).train(block.training))
+    return len(names)
+
+
+def hf_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The HF state dict of a model whose blocks ``replace_moe_blocks`` swapped: its own
+    tensors, with every ``HFMoEBlock`` written back as the HF block's keys (gathered; a
+    collective, call it on every rank). transformers loads it into the original class."""
+    blocks = {n: m for n, m in model.named_modules() if isinstance(m, HFMoEBlock)}
+    out = {}
+    for key, t in model.state_dict().items():
+        if not any(key.startswith(n + ".") for n in blocks):
+            out[key] = t.detach().clone()   # clone: tied tensors become separate for safetensors
+    for n, m in blocks.items():
+        out.update(hf_state_dict(m.moe, m.hf_config, prefix=n + "."))
+    return out

@@ -1,0 +1,252 @@
+"""What each Hugging Face MoE family is in moepar's terms: its MoE options, and where its
+weights live in the block's state dict. Torch only; transformers is never imported here.
+
+Legend: E experts, D hidden, F expert ffn, S shared-expert ffn, L local experts.
+
+Canonical (full, unsliced) tensors every family reads into and writes from:
+  router_weight [E, D], router_bias [E], expert_bias [E] (selection-only bias),
+  w1 / w3 [E, D, F] (gate / up, ``x @ w``), w2 [E, F, D], b1 / b3 [E, F], b2 [E, D],
+  shared_w1 / shared_w3 [S, D], shared_w2 [D, S] (nn.Linear layout), shared_gate [1, D].
+
+Expert layouts of transformers (5.x) blocks, per expert e:
+  "fused_chunk"   experts.gate_up_proj [E, 2F, D]: rows :F the gate, F: the up; down_proj [E, D, F]
+                  (Mixtral, Qwen2/3-MoE, DeepSeek-V2/V3, GLM-4-MoE, OLMoE, GraniteMoE)
+  "interleaved"   experts.gate_up_proj [E, D, 2F]: columns 0::2 the gate, 1::2 the up, plus
+                  gate_up_proj_bias [E, 2F] alike; down_proj [E, F, D] + down_proj_bias (GPT-OSS)
+  "chunk_in_out"  experts.gate_up_proj [E, D, 2F]: columns :F the gate, F: the up;
+                  down_proj [E, F, D] (Llama 4)
+  "per_expert"    experts.expert_{e}.wi.weight [F, D], .wo.weight [D, F] (Switch Transformers)
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Optional
+
+import torch
+
+# get(key, rows) -> tensor: ``rows`` (a slice of dim 0) or None for the whole tensor.
+Getter = Callable[[str, Optional[slice]], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One HF MoE family: block class, key layout and how its config maps to MoE options."""
+
+    model_type: str
+    block_class: str                 # transformers' sparse-MoE block class name
+    router: str                      # router module prefix inside the block
+    layout: str                      # expert layout (module docstring)
+    shared: Optional[str] = None     # shared-expert module prefix (gate/up/down_proj)
+    shared_gate: Optional[str] = None
+    router_bias: bool = False
+    expert_bias_key: Optional[str] = None   # e.g. "gate.e_score_correction_bias"
+    returns: str = "tensor"          # "tensor" | "tuple_weights" (GPT-OSS) | "tuple_logits" (Llama 4)
+
+
+FAMILIES: dict[str, Family] = {f.model_type: f for f in (
+    Family("mixtral", "MixtralSparseMoeBlock", "gate", "fused_chunk"),
+    Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", "gate", "fused_chunk", shared="shared_expert",
+           shared_gate="shared_expert_gate"),
+    Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", "gate", "fused_chunk"),
+    Family("deepseek_v3", "DeepseekV3MoE", "gate", "fused_chunk", shared="shared_experts",
+           expert_bias_key="gate.e_score_correction_bias"),
+    Family("glm4_moe", "Glm4MoeMoE", "gate", "fused_chunk", shared="shared_experts",
+           expert_bias_key="gate.e_score_correction_bias"),
+    Family("deepseek_v2", "DeepseekV2Moe", "gate", "fused_chunk", shared="shared_experts"),
+    Family("olmoe", "OlmoeSparseMoeBlock", "gate", "fused_chunk"),
+    Family("granitemoe", "GraniteMoeMoE", "router", "fused_chunk"),
+    Family("switch_transformers", "SwitchTransformersSparseMLP", "router.classifier", "per_expert"),
+    Family("gpt_oss", "GptOssMLP", "router", "interleaved", router_bias=True, returns="tuple_weights"),
+    Family("llama4_text", "Llama4TextMoe", "router", "chunk_in_out", shared="shared_expert",
+           returns="tuple_logits"),
+)}
+FAMILIES["llama4"] = dataclasses.replace(FAMILIES["llama4_text"], model_type="llama4")
+
+
+def family_of(config) -> Family:
+    """The family of an HF config (by ``model_type``); ValueError naming the known ones."""
+    mt = getattr(config, "model_type", None)
+    if mt not in FAMILIES:
+        raise ValueError(f"model_type={mt!r} is not a Hugging Face MoE family moepar converts; "
+                         f"known: {sorted(FAMILIES)}")
+    return FAMILIES[mt]
+
+
+def _need(config, name):
+    if not hasattr(config, name) or getattr(config, name) is None:
+        raise ValueError(f"{config.model_type} config has no {name!r}, which moepar needs to convert the block")
+    return getattr(config, name)
+
+
+def _silu(config, name="hidden_act") -> str:
+    act = getattr(config, name, "silu")
+    if act != "silu":
+        raise ValueError(f"{config.model_type}: {name}={act!r} cannot be expressed: moepar's gated experts "
+                         f"use silu (activation='swiglu')")
+    return "swiglu"
+
+
+def moe_options(config) -> tuple[int, int, int, dict]:
+    """(hidden, num_experts, ffn_hidden, MoE keyword options) for ``config``'s family.
+    ValueError for an option moepar cannot express."""
+    fam = family_of(config)
+    mt = fam.model_type
+    D = _need(config, "hidden_size" if mt != "switch_transformers" else "d_model")
+    k = 1 if mt == "switch_transformers" else _need(config, "num_experts_per_tok")
+    opts: dict = dict(k=k, aux_loss=None)
+    if getattr(config, "output_router_logits", False):
+        # transformers adds router_aux_loss_coef * load_balancing_loss (E * sum f*P, K x moepar's)
+        opts.update(aux_loss="switch", aux_loss_coeff=float(getattr(config, "router_aux_loss_coef", 0.0)),
+                    aux_loss_convention="hf")
+    if mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
+        E = _need(config, "num_local_experts" if mt == "mixtral" else "num_experts")
+        Fh = _need(config, "intermediate_size" if mt in ("mixtral", "olmoe") else "moe_intermediate_size")
+        jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
+        if jitter > 0:
+            raise ValueError(f"{mt}: router_jitter_noise={jitter} cannot be expressed: transformers scales the "
+                             f"experts' input by the noise too, moepar's jitter only the router's; set it to 0")
+        norm = True if mt == "mixtral" else bool(_need(config, "norm_topk_prob"))
+        opts.update(activation=_silu(config), score_func="softmax", normalize_weights=norm)
+        if mt == "qwen2_moe":
+            opts.update(num_shared_experts=1, shared_ffn_hidden=_need(config, "shared_expert_intermediate_size"),
+                        shared_expert_gate=True)
+    elif mt in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
+        E = _need(config, "n_routed_experts")
+        Fh = _need(config, "moe_intermediate_size")
+        opts.update(activation=_silu(config), scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)))
+        n_shared = getattr(config, "n_shared_experts", 0) or 0
+        if n_shared:
+            opts.update(num_shared_experts=1, shared_ffn_hidden=Fh * n_shared)
+        groups, topk_groups = getattr(config, "n_group", None), getattr(config, "topk_group", None)
+        if mt == "deepseek_v2":
+            method = getattr(config, "topk_method", "greedy")
+            opts.update(score_func="softmax", normalize_weights=False)
+            if method == "group_limited_greedy":
+                opts.update(num_groups=_need(config, "n_group"), topk_groups=_need(config, "topk_group"),
+                            group_score="max")
+            elif method != "greedy":
+                raise ValueError(f"deepseek_v2: topk_method={method!r} cannot be expressed "
+                                 f"(moepar maps 'greedy' and 'group_limited_greedy')")
+        else:
+            if groups is None or topk_groups is None:
+                raise ValueError(f"{mt}: n_group={groups} and topk_group={topk_groups} must both be set")
+            if E // groups < 2:
+                raise ValueError(f"{mt}: {E} experts in n_group={groups} groups leave fewer than 2 per group; "
+                                 f"transformers' group score sums each group's top 2")
+            opts.update(score_func="sigmoid", normalize_weights=bool(getattr(config, "norm_topk_prob", False)),
+                        expert_bias=True, num_groups=groups, topk_groups=topk_groups, group_score_topn=2)
+    elif mt == "granitemoe":
+        E, Fh = _need(config, "num_local_experts"), _need(config, "intermediate_size")
+        opts.update(activation=_silu(config), score_func="softmax_after_topk")
+    elif mt == "switch_transformers":
+        E, Fh = _need(config, "num_experts"), _need(config, "d_ff")
+        act = getattr(config, "dense_act_fn", "relu")
+        if act not in ("relu", "gelu"):
+            raise ValueError(f"switch_transformers: dense_act_fn={act!r} cannot be expressed (relu or gelu)")
+        if getattr(config, "router_dtype", "float32") != "float32":
+            raise ValueError(f"switch_transformers: router_dtype={config.router_dtype!r} cannot be expressed: "
+                             f"moepar's router runs in float32")
+        jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
+        opts.update(activation=act, score_func="softmax", normalize_weights=False,
+                    expert_capacity=_need(config, "expert_capacity"), drop_policy="position",
+                    router_bias=bool(getattr(config, "router_bias", False)))
+        if jitter > 0:
+            opts.update(noisy_gate_policy="jitter", noise_eps=float(jitter))
+    elif mt == "gpt_oss":
+        E, Fh = _need(config, "num_local_experts"), _need(config, "intermediate_size")
+        opts.update(activation="clamped_swiglu", activation_limit=float(_need(config, "swiglu_limit")),
+                    activation_alpha=float(_need(config, "swiglu_alpha")), bias=True, router_bias=True,
+                    score_func="softmax_after_topk")
+    else:  # llama4 / llama4_text
+        E, Fh = _need(config, "num_local_experts"), _need(config, "intermediate_size")
+        opts.update(activation=_silu(config), score_func="sigmoid", normalize_weights=False,
+                    score_before_experts=True, num_shared_experts=1, shared_ffn_hidden=Fh)
+    return D, E, Fh, opts
+
+
+# ---- weights: HF keys (relative to the block) <-> canonical tensors ----------------------
+
+def expert_keys(fam: Family, E: int) -> list[str]:
+    """The HF keys holding the experts (for a checkpoint check and the way back)."""
+    if fam.layout == "per_expert":
+        return [f"experts.expert_{e}.{n}.weight" for e in range(E) for n in ("wi", "wo")]
+    keys = ["experts.gate_up_proj", "experts.down_proj"]
+    if fam.layout == "interleaved":
+        keys += ["experts.gate_up_proj_bias", "experts.down_proj_bias"]
+    return keys
+
+
+def read_experts(fam: Family, get: Getter, lo: int, hi: int, Fh: int) -> dict[str, torch.Tensor]:
+    """Canonical w1/w3/w2 (and b1/b3/b2) of experts lo..hi-1, reading only those experts."""
+    rows = slice(lo, hi)
+    if fam.layout == "per_expert":
+        wi = torch.stack([get(f"experts.expert_{e}.wi.weight", None) for e in range(lo, hi)])   # [L, F, D]
+        wo = torch.stack([get(f"experts.expert_{e}.wo.weight", None) for e in range(lo, hi)])   # [L, D, F]
+        return {"w1": wi.transpose(1, 2), "w2": wo.transpose(1, 2)}
+    gu, down = get("experts.gate_up_proj", rows), get("experts.down_proj", rows)
+    if fam.layout == "fused_chunk":                       # [L, 2F, D], [L, D, F]
+        return {"w1": gu[:, :Fh].transpose(1, 2), "w3": gu[:, Fh:].transpose(1, 2), "w2": down.transpose(1, 2)}
+    if fam.layout == "chunk_in_out":                      # [L, D, 2F], [L, F, D]
+        return {"w1": gu[..., :Fh], "w3": gu[..., Fh:], "w2": down}
+    gub = get("experts.gate_up_proj_bias", rows)          # interleaved: [L, D, 2F], [L, 2F]
+    return {"w1": gu[..., 0::2], "w3": gu[..., 1::2], "w2": down,
+            "b1": gub[:, 0::2], "b3": gub[:, 1::2], "b2": get("experts.down_proj_bias", rows)}
+
+
+def write_experts(fam: Family, full: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """HF expert keys from canonical full tensors (the inverse of ``read_experts``)."""
+    w1, w2 = full["w1"], full["w2"]
+    if fam.layout == "per_expert":
+        out = {}
+        for e in range(w1.shape[0]):
+            out[f"experts.expert_{e}.wi.weight"] = w1[e].t().contiguous()
+            out[f"experts.expert_{e}.wo.weight"] = w2[e].t().contiguous()
+        return out
+    w3 = full["w3"]
+    if fam.layout == "fused_chunk":
+        return {"experts.gate_up_proj": torch.cat([w1, w3], dim=2).transpose(1, 2).contiguous(),
+                "experts.down_proj": w2.transpose(1, 2).contiguous()}
+    if fam.layout == "chunk_in_out":
+        return {"experts.gate_up_proj": torch.cat([w1, w3], dim=2).contiguous(), "experts.down_proj": w2.contiguous()}
+    E, D, Fh = w1.shape
+    gu = torch.stack([w1, w3], dim=-1).reshape(E, D, 2 * Fh)
+    gub = torch.stack([full["b1"], full["b3"]], dim=-1).reshape(E, 2 * Fh)
+    return {"experts.gate_up_proj": gu.contiguous(), "experts.gate_up_proj_bias": gub.contiguous(),
+            "experts.down_proj": w2.contiguous(), "experts.down_proj_bias": full["b2"].contiguous()}
+
+
+def dense_keys(fam: Family, router_bias: bool = False) -> dict[str, str]:
+    """canonical name -> HF key of the block's non-expert tensors (``router_bias``: the
+    router has a bias, always for GPT-OSS, per config for Switch)."""
+    out = {"router_weight": f"{fam.router}.weight"}
+    if fam.router_bias or router_bias:
+        out["router_bias"] = f"{fam.router}.bias"
+    if fam.expert_bias_key:
+        out["expert_bias"] = fam.expert_bias_key
+    if fam.shared:
+        out.update(shared_w1=f"{fam.shared}.gate_proj.weight", shared_w3=f"{fam.shared}.up_proj.weight",
+                   shared_w2=f"{fam.shared}.down_proj.weight")
+    if fam.shared_gate:
+        out["shared_gate"] = f"{fam.shared_gate}.weight"
+    return out
+
+
+def expected_shapes(fam: Family, E: int, D: int, Fh: int, S: int, router_bias: bool) -> dict[str, tuple]:
+    """HF key -> full shape, for every tensor the block must have (checked on every rank
+    before anything is built, so a misshapen or missing tensor raises everywhere alike)."""
+    if fam.layout == "per_expert":
+        out = {}
+        for e in range(E):
+            out[f"experts.expert_{e}.wi.weight"] = (Fh, D)
+            out[f"experts.expert_{e}.wo.weight"] = (D, Fh)
+    elif fam.layout == "fused_chunk":
+        out = {"experts.gate_up_proj": (E, 2 * Fh, D), "experts.down_proj": (E, D, Fh)}
+    else:
+        out = {"experts.gate_up_proj": (E, D, 2 * Fh), "experts.down_proj": (E, Fh, D)}
+        if fam.layout == "interleaved":
+            out.update({"experts.gate_up_proj_bias": (E, 2 * Fh), "experts.down_proj_bias": (E, D)})
+    dims = {"router_weight": (E, D), "router_bias": (E,), "expert_bias": (E,), "shared_w1": (S, D),
+            "shared_w3": (S, D), "shared_w2": (D, S), "shared_gate": (1, D)}
+    for name, key in dense_keys(fam, router_bias).items():
+        out[key] = dims[name]
+    return out

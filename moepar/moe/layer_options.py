@@ -1,0 +1,59 @@
+"""Layer-level options that Hugging Face MoE families need, kept out of the layer's steps.
+
+Legend: T tokens, D hidden, K routes per token, R = T*K routes.
+
+* ``score_before_experts`` (Llama 4): each route's row is scaled by its routing weight
+  *before* the expert FFN and the outputs are summed with weight 1, i.e.
+  ``y_t = sum_k expert_k(w_tk * x_t)`` instead of ``sum_k w_tk * expert_k(x_t)``.
+  ``routes_as_rows`` turns the T tokens into R single-route rows (row t*K + k is route
+  (t, k)), which the dispatcher moves like any k=1 routing; ``sum_routes`` folds the R
+  outputs back. The weights stay in the graph through the scaling, so their gradient
+  flows (d w_tk = <dy_t-through-expert, x_t>).
+* ``shared_expert_gate`` (Qwen2-MoE): ``out += sigmoid(x . w_gate) * shared(x)`` per token,
+  ``w_gate`` [1, D]; ``SharedExpertGate`` holds it.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def routes_as_rows(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                   dropped_TK: torch.Tensor | None):
+    """(x_RD, ids_R1, dropped_R1, ones_R1): every route as its own row scaled by its weight
+    (in the input's dtype), with combine weight 1. Dropped routes weigh 0 already."""
+    T, K = expert_ids_TK.shape
+    w_TK1 = weights_TK.to(x_TD.dtype).unsqueeze(-1)
+    x_RD = (x_TD.unsqueeze(1) * w_TK1).reshape(T * K, x_TD.shape[-1])
+    ids_R1 = expert_ids_TK.reshape(T * K, 1)
+    dropped_R1 = None if dropped_TK is None else dropped_TK.reshape(T * K, 1)
+    ones_R1 = torch.ones(T * K, 1, dtype=weights_TK.dtype, device=weights_TK.device)
+    return x_RD, ids_R1, dropped_R1, ones_R1
+
+
+def sum_routes(y_RD: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """[T, D]: the sum of each token's K route outputs (rows t*K .. t*K+K-1)."""
+    return y_RD.view(num_tokens, -1, y_RD.shape[-1]).sum(1)
+
+
+class SharedExpertGate(nn.Module):
+    """``sigmoid(x @ weight.T)`` [T, 1], the per-token scale of the shared experts' output.
+
+    ``weight`` [1, D] is replicated over the TP group; under sequence parallelism each TP
+    rank gates only its own tokens, so the weight is marked ``sequence_parallel`` (its
+    gradient is summed over the TP group, as the router's)."""
+
+    def __init__(self, hidden: int, init_seed: int, sequence_parallel: bool = False, dtype=None):
+        super().__init__()
+        gen = torch.Generator().manual_seed(int(init_seed))
+        bound = 1.0 / math.sqrt(hidden)   # nn.Linear's default init
+        w = torch.empty(1, hidden).uniform_(-bound, bound, generator=gen)
+        self.weight = nn.Parameter(w.to(dtype) if dtype else w)
+        if sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x_TD, self.weight))
