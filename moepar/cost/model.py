@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ..moe.dedup import DEDUP_MAX_FRACTION   # the layer's "auto" threshold, priced as it decides
 from ..parallel.groups import Layout
 from .architectures import presets
 from .collectives import Placement
@@ -26,8 +27,7 @@ from .collectives import Placement
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 ADAM_BYTES_PER_PARAM = 12   # fp32 master weights + Adam m and v (ZeRO paper's K = 12)
 
-# Public model shapes for ``--model``, read from their config.json fields (architectures.py).
-MODELS = presets()
+MODELS = presets()   # public model shapes for ``--model``, from their config.json fields
 
 
 def _positive(**values) -> None:
@@ -376,11 +376,6 @@ def routes_per_rank(spec: MoESpec, layout: CostLayout) -> Routes:
     if spec.pad_to_capacity:
         return Routes(t_local, float(full), float(full), cap)
     return Routes(t_local, float(min(routes, full)), float(min(routes * spec.imbalance, full)), cap)
-
-
-# moepar.moe.dedup.DEDUP_MAX_FRACTION, the layer's "auto" threshold (a test keeps them equal;
-# this module stays free of torch).
-DEDUP_MAX_FRACTION = 0.3
 
 
 def dedup_fraction(spec: MoESpec, layout: CostLayout) -> float | None:
