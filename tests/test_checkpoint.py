@@ -57,21 +57,26 @@ def _load(path, layout):
     return state.dp_rank, y, extra["step"], exp_avg_ok
 
 
-def test_save_at_one_layout_load_at_two_others_and_single_process(tmp_path):
-    path = str(tmp_path / "ckpt")
-    saved = {d: y for d, y in run_ranks(_save, 4, path, (1, 4, 1))}
-    assert os.path.exists(os.path.join(path, ".metadata"))
-    for layout in [(2, 2, 2), (2, 1, 1)]:
-        for d, y, step, exp_avg_ok in run_ranks(_load, 4, path, layout):
-            # Equal up to fp32 summation order (expert-TP sums partial products).
+def _assert_loads_elsewhere(path, saved, loads):
+    """Each (loader, layout) of ``loads`` and a single process (no torch.distributed) read the
+    checkpoint at ``path`` back: every replica's output equals ``saved`` up to fp32 summation
+    order (expert-TP sums partial products), the step count and Adam's exp_avg survive."""
+    for load, layout in loads:
+        for d, y, step, exp_avg_ok in run_ranks(load, 4, path, layout):
             assert torch.allclose(y, saved[d], atol=1e-6, rtol=0), (layout, d, (y - saved[d]).abs().max())
             assert step == 1 and exp_avg_ok
-    # A single process (no torch.distributed) reads the same directory.
     net = _Net(ParallelState.single(), seed=5)
     checkpoint.load(path, net)
     with torch.no_grad():
         for d in range(4):
             assert torch.allclose(net(_inputs(d)), saved[d], atol=1e-6, rtol=0)
+
+
+def test_save_at_one_layout_load_at_two_others_and_single_process(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = {d: y for d, y in run_ranks(_save, 4, path, (1, 4, 1))}
+    assert os.path.exists(os.path.join(path, ".metadata"))
+    _assert_loads_elsewhere(path, saved, [(_load, (2, 2, 2)), (_load, (2, 1, 1))])
 
 
 def _save_fsdp(path, layout):
@@ -104,15 +109,7 @@ def test_fully_sharded_checkpoint_loads_sharded_unsharded_and_single_process(tmp
     saved = {d: y for d, y, _ in runs}
     assert runs[0][2] == ["dense", "expert"]
     # Sharded at tp2 ep2 etp2 (TP-sliced dense, ETP-sliced experts), unsharded at tp2 ep1.
-    for load, layout in [(_load_fsdp, (2, 2, 2)), (_load, (2, 1, 1))]:
-        for d, y, step, exp_avg_ok in run_ranks(load, 4, path, layout):
-            assert torch.allclose(y, saved[d], atol=1e-6, rtol=0), (layout, d, (y - saved[d]).abs().max())
-            assert step == 1 and exp_avg_ok
-    net = _Net(ParallelState.single(), seed=5)
-    checkpoint.load(path, net)
-    with torch.no_grad():
-        for d in range(4):
-            assert torch.allclose(net(_inputs(d)), saved[d], atol=1e-6, rtol=0)
+    _assert_loads_elsewhere(path, saved, [(_load_fsdp, (2, 2, 2)), (_load, (2, 1, 1))])
 
 
 def test_atomic_checkpoint_directories(tmp_path):
