@@ -19,12 +19,15 @@ def _tokens(dp_rank: int, uneven: bool) -> int:
 
 
 def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=True, dtype=None,
-             hidden=moe_ref.D, sp=False, tokens=None):
+             hidden=moe_ref.D, sp=False, tokens=None, expert_bias=None):
     """For each variant: distributed vs single-process outputs, dX, and all weight grads.
 
     ``tokens``: tokens per data-parallel replica (default ``_tokens``); ``sp``: sequence
     parallelism, each TP rank holding its own slice of its replica's tokens (compared with
-    the same slice of the reference); ``dtype``/``hidden``: the layer's and the inputs'."""
+    the same slice of the reference); ``dtype``/``hidden``: the layer's and the inputs'.
+    ``expert_bias``: [E] values put into both routers' expert_bias buffers (expert_bias=True).
+    Each result has the max differences, the reference's max magnitudes (``*_scale``) and
+    the exchange form the distributed forward took (``form``)."""
     state = init_parallel(tp, ep, etp, verbose=False)
     ntok = (lambda d: tokens[d]) if tokens is not None else (lambda d: _tokens(d, uneven))
     dkw = {} if dtype is None else dict(dtype=dtype)
@@ -33,6 +36,10 @@ def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=T
         kw = dict(variant, hidden=hidden, **dkw, **(layer_kw or {}))
         moe = moe_ref.build(state, sequence_parallel=sp, **kw)
         ref = moe_ref.build(None, **kw)
+        if expert_bias is not None:
+            with torch.no_grad():
+                for m in (moe, ref):
+                    m.router.expert_bias.copy_(torch.tensor(expert_bias))
         # Reference: every data-parallel replica's batch through the single-process layer,
         # grads accumulated (= the gradient of the sum of the replicas' losses).
         for d in range(state.dp_size):
@@ -55,10 +62,15 @@ def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=T
         grads = moe_ref.max_param_diff(moe, ref, state, use_grad=True)
         weights = moe_ref.max_param_diff(moe, ref, state, use_grad=False)
         y_ref, gx_ref = y_ref.detach()[lo:hi], x_ref.grad[lo:hi]
+        ref_params = dict(ref.named_parameters())
+        grad_scales = {n: float(moe_ref.local_slice(ref_params[n].grad, p, state).abs().max())
+                       if ref_params[n].grad is not None and p.numel() else 0.0 for n, p in moe.named_parameters()}
         results.append({"variant": variant, "tokens": hi - lo,
                          "y": float((y.detach() - y_ref).abs().max()) if y.numel() else 0.0,
                          "dx": float((x.grad - gx_ref).abs().max()) if x.numel() else 0.0,
                          "y_scale": float(y_ref.abs().max()) if y_ref.numel() else 0.0,
+                         "dx_scale": float(gx_ref.abs().max()) if gx_ref.numel() else 0.0,
+                         "grad_scales": grad_scales, "form": moe.stats.exchange_form,
                          "weights": max(weights.values()), "grads": grads,
                          # with SP each TP rank routes (and drops from) its own slice
                          "dropped": int(moe.stats.dropped), "ref_dropped": None if sp else ref_dropped})
@@ -107,6 +119,9 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
     dispatcher.dedup_send = counting("dedup", old[2])
     try:
         results = _compare(tp, ep, etp, variants, uneven, {**(layer_kw or {}), **_PATHS[mode]}, *args)
+        forms = {r["form"] for r in results}   # the layer's record agrees with what was called
+        assert bool(used["dedup"]) == ("dedup" in forms) and bool(used["source"]) == ("source_major" in forms)
+        assert bool(used["regroup"]) == bool(forms & {"regroup", "padded"}) or "padded" in forms, forms
         return bool(used["source"]), bool(used["regroup"]), bool(used["dedup"]), results
     finally:
         cpu.source_major_segments, dispatcher._regroup_index, dispatcher.dedup_send = old

@@ -116,6 +116,17 @@ class DispatchMeta:
     dedup: tuple | None = None
     load: GroupLoad | None = None        # the EP group's load (and the receive guard's cut)
 
+    @property
+    def exchange_form(self) -> str:
+        """The form this dispatch took: "padded" (capacity slots), "dedup", "source_major"
+        (rows left as they arrived, cpu.py), "regroup" (gathered expert-major), or "direct"
+        (one source block or one local expert: the rows arrived expert-major)."""
+        if self.capacity is not None:
+            return "padded"
+        if self.dedup is not None:
+            return "dedup"
+        return "source_major" if self.segment_experts else "regroup" if self.regroup else "direct"
+
 
 @dataclasses.dataclass(frozen=True)
 class _Routes:

@@ -47,6 +47,9 @@ class MoEStats:
     # padded capacity mode): overload factors, the receive guard's cap and drops.
     load: GroupLoad | None = None
     capacity_dropped: torch.Tensor | None = None    # scalar: the router's capacity drops alone
+    # The token exchange form the dispatch took (DispatchMeta.exchange_form): "padded" |
+    # "dedup" | "source_major" | "regroup" | "direct"; the same on every rank of an EP group.
+    exchange_form: str | None = None
 
     @property
     def dropped_fraction(self) -> float:
@@ -270,6 +273,7 @@ class MoE(nn.Module):
         self._stats.routes = routing.expert_ids.numel()
         self._stats.capacity_dropped = routing.dropped.sum().detach()
         self._stats.load = meta.load
+        self._stats.exchange_form = meta.exchange_form
         guard = 0 if meta.load is None else meta.load.guard_dropped
         self._stats.dropped = self._stats.capacity_dropped + guard if guard else self._stats.capacity_dropped
 
