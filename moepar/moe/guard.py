@@ -107,28 +107,22 @@ class GroupLoad:
     @property
     def expert_overload(self) -> float:
         """max / mean routes per expert over the EP group (before the guard; 0 with no routes)."""
-        load_E = self.load_PE.sum(0).double()
-        mean = float(load_E.mean())
-        return float(load_E.max()) / mean if mean > 0 else 0.0
+        return _max_over_mean(self.load_PE.sum(0))
 
     @property
     def rows_per_rank(self) -> torch.Tensor:
         """[P] rows each EP rank would receive without the guard."""
-        P = self.load_PE.shape[0]
-        return self.load_PE.view(P, P, -1).sum((0, 2))
+        return _rows_per_receiver(self.load_PE)
 
     @property
     def rank_overload(self) -> float:
         """max / mean rows received per EP rank (before the guard; 0 with no routes)."""
-        rows = self.rows_per_rank.double()
-        mean = float(rows.mean())
-        return float(rows.max()) / mean if mean > 0 else 0.0
+        return _max_over_mean(self.rows_per_rank)
 
     @property
     def received_PR(self) -> torch.Tensor:
         """[P] rows each EP rank receives after the guard."""
-        P = self.kept_PE.shape[0]
-        return self.kept_PE.view(P, P, -1).sum((0, 2))
+        return _rows_per_receiver(self.kept_PE)
 
     @property
     def dispatched(self) -> int:
@@ -148,3 +142,17 @@ class GroupLoad:
         if self.kept_PE is self.load_PE:
             return 0
         return int((self.load_PE - self.kept_PE).sum())
+
+
+def _rows_per_receiver(counts_PE: torch.Tensor) -> torch.Tensor:
+    """[P] rows each EP rank receives from a [P senders, E] count matrix (rank r owns experts
+    r*L .. r*L+L-1)."""
+    P = counts_PE.shape[0]
+    return counts_PE.view(P, P, -1).sum((0, 2))
+
+
+def _max_over_mean(values: torch.Tensor) -> float:
+    """max / mean of ``values`` (0 when they sum to 0: no routes)."""
+    values = values.double()
+    mean = float(values.mean())
+    return float(values.max()) / mean if mean > 0 else 0.0
