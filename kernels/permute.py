@@ -27,7 +27,7 @@ kernels on CUDA and the torch reference elsewhere; ``impl="triton"`` forces the 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +43,22 @@ except ImportError:  # triton is Linux-only; the reference path works without it
     tl = None
 
 IMPLS = ("auto", "triton", "reference")
+
+# fn(shape, dtype, device) for the reference path's large CPU outputs (the dense permute
+# gather, the unpermute backward's grad_y); moepar.moe.cpu installs its buffer pool here,
+# since this package does not import moepar. CUDA tensors never reach it. None: torch.empty.
+_cpu_empty: Optional[Callable] = None
+
+
+def set_cpu_allocator(fn: Optional[Callable]) -> None:
+    global _cpu_empty
+    _cpu_empty = fn
+
+
+def _empty_rows(like: torch.Tensor, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+    if _cpu_empty is not None and like.device.type == "cpu":
+        return _cpu_empty((rows, cols), dtype, like.device)
+    return torch.empty((rows, cols), dtype=dtype, device=like.device)
 
 if triton is not None:
 
@@ -194,7 +210,8 @@ def inverse_row_map(row_map_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
 
 def _gather_reference(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, dense: bool) -> torch.Tensor:
     if dense:  # every row has a route (dropless): one gather
-        return torch.index_select(x_TD, 0, route_N // K)
+        out = _empty_rows(x_TD, route_N.shape[0], x_TD.shape[1], x_TD.dtype)
+        return torch.index_select(x_TD, 0, route_N // K, out=out)
     out = x_TD.new_zeros(route_N.shape[0], x_TD.shape[1])
     valid = route_N >= 0
     rows = torch.nonzero(valid).flatten()
@@ -254,7 +271,7 @@ def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Te
     route = route_N.clamp(min=0)
     tok = route // K
     src = grad_TD.to(dtype)
-    grad_y = torch.empty((N, D), dtype=dtype, device=grad_TD.device)
+    grad_y = _empty_rows(grad_TD, N, D, dtype)
     dot_N = None if y_ND is None else torch.empty(N, dtype=torch.float32, device=grad_TD.device)
     w_N = weights_TK.reshape(-1).to(torch.float32).index_select(0, route) if weights_TK is not None else None
     step = max(1, _BWD_CHUNK_ELEMS // max(D, 1))

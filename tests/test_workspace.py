@@ -96,6 +96,27 @@ def test_module_level_empty_small_and_disabled(monkeypatch):
     assert workspace.stats()["misses"] + workspace.stats()["hits"] == before + 1
 
 
+def test_permute_kernels_take_their_cpu_outputs_from_the_pool(monkeypatch):
+    """The dense permute gather and the unpermute backward's grad_y are pooled buffers on
+    the CPU (kernels cannot import moepar: moepar.moe.cpu installs the pool there), and a
+    second step reuses the first one's once it is released."""
+    from moepar_kernels import permute as kp
+    monkeypatch.setattr(workspace.POOL, "min_bytes", 0)
+    x = torch.randn(64, 32, requires_grad=True)
+    ids = torch.randint(0, 4, (64, 2), generator=torch.Generator().manual_seed(0))
+    ptrs = []
+    for _ in range(2):
+        before = workspace.stats()
+        y, _, row_map = kp.permute(x, ids, None, 4, impl="reference")
+        out = kp.unpermute(y, row_map, None, 64, impl="reference")
+        (g,) = torch.autograd.grad(out.sum(), [y])
+        after = workspace.stats()
+        assert after["hits"] + after["misses"] >= before["hits"] + before["misses"] + 2
+        ptrs.append((ptr(y), ptr(g)))
+        del y, out, g, row_map
+    assert ptrs[1] == ptrs[0]
+
+
 @pytest.mark.parametrize("pool", [True, False])
 def test_layer_outputs_and_grads_survive_later_steps(monkeypatch, pool):
     """Step 1's output and gradients, still held, are unchanged by steps 2 and 3 (which

@@ -42,6 +42,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
+from moepar_kernels import permute as _permute_kernels
 
 # The grouped experts on CPU tensors run in segments of consecutive experts whose [rows, F]
 # intermediates stay under this many bytes (an expert larger than that is a segment of its
@@ -159,6 +160,10 @@ def empty(shape: Sequence[int], dtype: torch.dtype, device: torch.device | str =
         if numel * dtype.itemsize >= max(POOL.min_bytes, 1):
             return POOL.empty(shape, dtype)
     return torch.empty(tuple(shape), dtype=dtype, device=device)
+
+
+# The permute kernels' CPU reference outputs come from the pool too (they cannot import moepar).
+_permute_kernels.set_cpu_allocator(empty)
 
 
 def empty_like_rows(x: torch.Tensor, rows: int, cols: int | None = None) -> torch.Tensor:
