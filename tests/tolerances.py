@@ -2,8 +2,11 @@
 
 A result ``a`` matches a reference ``b`` when ``max|a - b| <= atol + rtol * max|b|``: the
 error is measured against the reference's scale (an element-wise relative error blows up
-on the many entries near zero). fp32 and fp64 have an absolute and a relative part; bf16
-has only a relative one (its absolute error grows with the values' magnitude).
+on the many entries near zero). Each dtype has an absolute and a relative part; bf16's is
+mostly relative (its absolute error grows with the values' magnitude), and its small
+absolute floor is for results that are zero but for rounding: with k=1 and
+normalize_weights the combine weight is exactly 1, so the router's gradient is fp32 noise
+of order 1e-7 against a reference that is noise too (the sweep's seed 202 drew two).
 
 Why these numbers: the router's logits, scores and combine weights are fp32 whatever the
 layer's dtype (the router contract), so an fp64 layer is still fp32-accurate in its
@@ -32,7 +35,7 @@ class Tolerance:
 TOLERANCES: dict[torch.dtype, Tolerance] = {
     torch.float64: Tolerance(atol=1e-6, rtol=1e-6),
     torch.float32: Tolerance(atol=1e-5, rtol=1e-5),
-    torch.bfloat16: Tolerance(atol=0.0, rtol=3e-2),
+    torch.bfloat16: Tolerance(atol=1e-5, rtol=3e-2),
 }
 
 
