@@ -46,8 +46,9 @@ def _step_then_destroy(tp, ep):
     refs = [weakref.ref(g) for g in state.groups.values() if g is not None] + [weakref.ref(dist.group.WORLD)]
     moepar.destroy_parallel()
     # The TP module outlives the teardown but holds no group: it reads it from the state.
-    # (The MoE layer is dropped first: its dispatcher still keeps the groups it was built
-    # with until the layer refactor reads them from the state at call time.)
+    # (The MoE layer is dropped first: its last forward's aux loss, kept as moe.aux_loss and
+    # not part of this loss, keeps that forward's autograd graph, whose collective nodes
+    # hold the groups they ran on.)
     del moe
     gc.collect()
     alive = sum(r() is not None for r in refs)
