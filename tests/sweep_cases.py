@@ -23,7 +23,7 @@ from moepar.moe.config import MoEConfig, make_config
 from moepar.moe.gemm import path_supported
 
 from . import moe_ref
-from .test_moe_distributed import _compare
+from .test_moe_distributed import compare_layouts
 from .tolerances import tolerance
 
 LAYOUTS = [(1, 2, 1), (1, 4, 1), (2, 2, 1), (2, 2, 2), (1, 2, 2), (2, 1, 1), (1, 1, 1)]
@@ -117,9 +117,9 @@ def form_that_runs(cfg: MoEConfig, ep: int, etp: int) -> str | None:
 
 
 def run_case(case: dict) -> list[dict]:
-    """On every rank: ``_compare``'s results for the case (one variant)."""
+    """On every rank: ``compare_layouts``'s results for the case (one variant)."""
     tp, ep, etp = case["layout"]
-    return _compare(tp, ep, etp, [case["layer"]], case["uneven"], None, True, getattr(torch, case["dtype"]),
+    return compare_layouts(tp, ep, etp, [case["layer"]], case["uneven"], None, True, getattr(torch, case["dtype"]),
                     case["hidden"], case["sp"], expert_bias=case["expert_bias"])
 
 

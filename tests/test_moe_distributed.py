@@ -18,8 +18,8 @@ def _tokens(dp_rank: int, uneven: bool) -> int:
     return [5, 0, 3, 7][dp_rank % 4] if uneven else 6
 
 
-def _compare(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=True, dtype=None,
-             hidden=moe_ref.D, sp=False, tokens=None, expert_bias=None):
+def compare_layouts(tp, ep, etp, variants, uneven=False, layer_kw=None, loss_with_aux=True, dtype=None,
+                    hidden=moe_ref.D, sp=False, tokens=None, expert_bias=None):
     """For each variant: distributed vs single-process outputs, dX, and all weight grads.
 
     ``tokens``: tokens per data-parallel replica (default ``_tokens``); ``sp``: sequence
@@ -89,7 +89,7 @@ def _assert_close(per_rank, atol=1e-5):
 
 @pytest.mark.parametrize("world,tp,ep,etp", LAYOUTS)
 def test_layouts_match_single_process(world, tp, ep, etp):
-    _assert_close(run_ranks(_compare, world, tp, ep, etp, VARIANTS))
+    _assert_close(run_ranks(compare_layouts, world, tp, ep, etp, VARIANTS))
 
 
 _PATHS = {  # mode: the MoE options that force the token exchange into one form
@@ -100,9 +100,9 @@ _PATHS = {  # mode: the MoE options that force the token exchange into one form
 
 
 def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=None, *args):
-    """_compare with the token exchange forced into one form (``mode``: a _PATHS key, or a
+    """compare_layouts with the token exchange forced into one form (``mode``: a _PATHS key, or a
     list of keys, one per rank); returns (source-major used, regroup used, dedup used)
-    with _compare's results."""
+    with compare_layouts's results."""
     from moepar.moe import cpu, dispatcher
     if isinstance(mode, list):
         mode = mode[dist.get_rank()]
@@ -118,7 +118,7 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
     dispatcher._regroup_index = counting("regroup", old[1])
     dispatcher.dedup_send = counting("dedup", old[2])
     try:
-        results = _compare(tp, ep, etp, variants, uneven, {**(layer_kw or {}), **_PATHS[mode]}, *args)
+        results = compare_layouts(tp, ep, etp, variants, uneven, {**(layer_kw or {}), **_PATHS[mode]}, *args)
         forms = {r["form"] for r in results}   # the layer's record agrees with what was called
         assert bool(used["dedup"]) == ("dedup" in forms) and bool(used["source"]) == ("source_major" in forms)
         assert bool(used["regroup"]) == bool(forms & {"regroup", "padded"}) or "padded" in forms, forms
@@ -168,7 +168,7 @@ def test_one_rank_voting_against_dedup_turns_it_off_everywhere():
 @pytest.mark.parametrize("world,tp,ep,etp", [(4, 1, 4, 1), (4, 2, 2, 2)])
 def test_uneven_token_counts_including_zero(world, tp, ep, etp):
     # dp replicas hold 5, 0, 3, 7 tokens: one rank sends and (for some experts) receives nothing.
-    _assert_close(run_ranks(_compare, world, tp, ep, etp, VARIANTS[:2], True))
+    _assert_close(run_ranks(compare_layouts, world, tp, ep, etp, VARIANTS[:2], True))
 
 
 def _all_to_one_expert(ep):
@@ -205,7 +205,7 @@ def test_capacity_mode_with_drops_counts_and_matches(pad, uneven):
     # no tokens still sends E*C zero slots and gets their gradients back (its backward used
     # to raise alone while its peers waited in the all-to-all: a hang).
     kw = dict(capacity_factor=0.5, min_capacity=1, pad_to_capacity=pad)
-    per_rank = run_ranks(_compare, 4, 2, 2, 1, VARIANTS[2:3], uneven, kw)
+    per_rank = run_ranks(compare_layouts, 4, 2, 2, 1, VARIANTS[2:3], uneven, kw)
     _assert_close(per_rank)
     for results in per_rank:
         assert results[0]["dropped"] == results[0]["ref_dropped"]
@@ -476,7 +476,7 @@ def test_sequence_parallel_shared_experts_with_uneven_token_slices():
     # 5 and 1 tokens per replica over tp=2: slices of 3/2 and 1/0 tokens. The shared
     # experts' all-gather and reduce-scatter take each TP rank's own count (they assumed
     # equal slices and failed with a collective size mismatch).
-    out = run_ranks(_compare, 4, 2, 2, 1, [dict(k=2, num_shared_experts=1)], False, None, True,
+    out = run_ranks(compare_layouts, 4, 2, 2, 1, [dict(k=2, num_shared_experts=1)], False, None, True,
                     None, moe_ref.D, True, [5, 1])
     assert sorted(r[0]["tokens"] for r in out) == [0, 1, 2, 3]
     _assert_close(out)
