@@ -135,21 +135,21 @@ def _skew(moe):
         moe.router.weight[1] += 1.0
 
 
-def _senders(tp, ep, world):
+def _senders(tp, ep, world, etp=1):
     """Each global rank's (dp replica, its token slice, EP group id, EP rank), from the
-    layout's rank arithmetic (moepar/parallel/groups.py; etp = 1): a rank dispatches its
-    replica's tokens, or under TP (no SP) its TP share of them."""
+    layout's rank arithmetic (moepar/parallel/groups.py: rank = edp*(ep*etp) + ep_rank*etp
+    + etp_rank): a rank dispatches its replica's tokens, or under TP (no SP) its TP share."""
     out = []
     for R in range(world):
         d, r = divmod(R, tp)
         sizes = [T_RANK // tp + (1 if i < T_RANK % tp else 0) for i in range(tp)]
         lo = sum(sizes[:r])
-        out.append((d, slice(lo, lo + sizes[r]), R // ep, R % ep))
+        out.append((d, slice(lo, lo + sizes[r]), (R // (ep * etp), R % etp), (R // etp) % ep))
     return out
 
 
-def _guarded_layer(factor, variant, tp=1, ep=4):
-    state = init_parallel(tp, ep, verbose=False)
+def _guarded_layer(factor, variant, tp=1, ep=4, etp=1):
+    state = init_parallel(tp, ep, etp, verbose=False)
     world, me, P = state.world_size, dist.get_rank(), ep
     kw = dict(num_experts=E4, k=2, aux_loss=None, **variant)
     moe = moe_ref.build(state, receive_capacity_factor=factor, **kw)
@@ -164,7 +164,7 @@ def _guarded_layer(factor, variant, tp=1, ep=4):
     # per-token layer over every replica.
     xrs = [x.double().requires_grad_(d == state.dp_rank) for d, (x, _) in enumerate(xs)]
     full = [moe_ref.route_per_token(xr, w, k=2) for xr in xrs]
-    senders = _senders(tp, ep, world)
+    senders = _senders(tp, ep, world, etp)
     routes = [([full[d][0][t] for t in range(sl.start, sl.stop)], [full[d][1][t] for t in range(sl.start, sl.stop)])
               for d, sl, _, _ in senders]
     load = [[sum(row.count(e) for row in ids) for e in range(E4)] for ids, _ in routes]
@@ -207,13 +207,17 @@ def _guarded_layer(factor, variant, tp=1, ep=4):
     grad_err = max(float((p.grad.double() - moe_ref.local_slice(ref_grads[n], p, state)).abs().max())
                    for n, p in moe.named_parameters())
     grp, er = senders[me][2], senders[me][3]
-    kept, L = kept_of[grp], E4 // P
+    L = E4 // P
+    # With expert TP the experts see the rows of every ETP peer (each capped in its own EP
+    # group): ranks me - me % etp ... of this rank's ETP group.
+    peers = range(me - me % etp, me - me % etp + etp)
     my_drops = sum(map(sum, drops[me]))
     group_load = [load[R] for R, s_ in enumerate(senders) if s_[2] == grp]
     st = moe.stats
     return {"y": float((y.detach().double() - y_ref).abs().max()), "dx": float((x.grad.double() - x_ref.grad).abs().max()),
             "grads": grad_err, "cap": cap_of[grp], "stats_cap": st.load.cap, "processed": seen[0],
-            "ref_received": sum(kept[s][e] for s in range(P) for e in range(er * L, er * L + L)),
+            "ref_received": sum(kept_of[senders[q][2]][s][e] for q in peers for s in range(P)
+                                for e in range(er * L, er * L + L)), "etp": etp,
             "dropped": int(st.dropped), "ref_dropped": my_drops, "guard_dropped": st.load.guard_dropped,
             "group_dropped": st.load.group_guard_dropped,
             "ref_group_dropped": sum(sum(map(sum, drops[R])) for R, s_ in enumerate(senders) if s_[2] == grp),
@@ -225,7 +229,7 @@ def _guarded_layer(factor, variant, tp=1, ep=4):
 
 def _guard_workers(factor):
     out = [_guarded_layer(factor, {}), _guarded_layer(factor, dict(dedup="on", cpu_source_major=False)),
-           _guarded_layer(factor, {}, tp=2, ep=2)]
+           _guarded_layer(factor, {}, tp=2, ep=2), _guarded_layer(factor, {}, ep=2, etp=2)]
     errors = []
     for bad in (0.5, float("nan")):   # every rank raises at construction, before any collective
         try:
@@ -246,9 +250,11 @@ def test_guard_on_four_ranks_matches_the_slow_reference():
     for rank, (results, errors) in enumerate(run_ranks(_guard_workers, 4, 1.25)):
         for i, r in enumerate(results):
             assert r["y"] < 1e-5 and r["dx"] < 1e-5 and r["grads"] < 1e-5, (rank, r)
-            # ceil(1.25 * 48 / 4); with tp = 2, ep = 2: one replica's 12 routes over 2 ranks
-            assert r["stats_cap"] == r["cap"] == (15 if i < 2 else 8)
-            assert r["processed"] == r["ref_received"] <= r["cap"]
+            # ceil(1.25 * 48 / 4); tp = 2, ep = 2: one replica's 12 routes over 2 ranks;
+            # ep = 2, etp = 2: two replicas' 24 routes over 2 ranks
+            assert r["stats_cap"] == r["cap"] == [15, 15, 8, 15][i]
+            # at etp > 1 each ETP peer's receipt is capped; the experts see all the peers' rows
+            assert r["processed"] == r["ref_received"] <= r["etp"] * r["cap"]
             assert r["dropped"] == r["guard_dropped"] == r["ref_dropped"]
             assert r["group_dropped"] == r["ref_group_dropped"] > 0
             assert r["fraction"] == pytest.approx(r["ref_fraction"])
