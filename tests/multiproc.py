@@ -2,18 +2,19 @@
 
 ``run_ranks(fn, world_size, *args)`` calls ``fn(*args)`` on every rank of a world of
 ``world_size`` processes (gloo, CPU, one thread each) and returns the per-rank results.
-Workers are kept between calls (importing torch costs ~2 s a process on the CI's 2 cores),
-so ``fn`` must leave no state behind but process groups; moepar's parallel state is reset
-after every call. ``fn`` and its arguments must be picklable: define ``fn`` at module level.
+Workers are kept between calls (importing torch costs seconds a process on 2 cores), but
+each call runs in a world of its own: the worker joins a new process group before ``fn`` and
+ends it with ``moepar.destroy_parallel()`` after, so no group (and no gloo thread) outlives
+the call. ``fn`` and its arguments must be picklable: define ``fn`` at module level.
 
 A rank that raises fails the call with that rank's traceback; a call that outlives its
 ``timeout`` (a hang in a collective) kills the workers and fails with the ranks that never
 answered, instead of freezing the suite; a rank that dies fails the call at once with its
 exit code.
 
-Rendezvous goes through a ``FileStore`` in a fresh temporary directory (no free-port race
-between picking a port and binding it). Workers import moepar before ``init_process_group``
-and end with ``moepar.destroy_parallel()``; their exit codes are checked when a pool closes:
+Rendezvous goes through a ``FileStore`` in a fresh temporary directory, one file per call
+(no free-port race between picking a port and binding it). Workers import moepar before any
+``init_process_group``; their exit codes are checked when a pool closes:
 ``run_ranks(..., fresh=True)`` runs in new processes and fails the test whose ranks do not
 exit 0, and shared pools are checked when replaced and at the end of the session (conftest).
 """
@@ -33,7 +34,7 @@ from typing import Any, Callable
 DEFAULT_TIMEOUT = float(os.environ.get("MOEPAR_TEST_TIMEOUT", "180"))
 
 
-def _worker(rank: int, world_size: int, store_path: str, inbox, outbox) -> None:
+def _worker(rank: int, world_size: int, store_dir: str, inbox, outbox) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     import torch
@@ -44,26 +45,36 @@ def _worker(rank: int, world_size: int, store_path: str, inbox, outbox) -> None:
     import moepar
 
     torch.set_num_threads(1)
-    try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
-        del store
-    except BaseException:
-        outbox.put((rank, False, "init_process_group failed:\n" + traceback.format_exc()))
-        return
+    calls = 0
     while True:
         job = inbox.get()
         if job is None:
             break
         fn, args, kwargs = job
+        # Each call gets its own world, destroyed after it: every gloo group keeps its own
+        # threads polling, and a worker that kept every call's groups would take the cores
+        # from the tests that follow.
         try:
-            outbox.put((rank, True, fn(*args, **kwargs)))
+            store = dist.FileStore(os.path.join(store_dir, f"world{calls}"), world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=datetime.timedelta(seconds=DEFAULT_TIMEOUT))
+            del store
         except BaseException:
+            outbox.put((rank, False, "init_process_group failed:\n" + traceback.format_exc()))
+            return
+        calls += 1
+        try:
+            result = fn(*args, **kwargs)
+        except BaseException:
+            # The peers may be stuck in a collective: no barrier, the pool is closed.
             outbox.put((rank, False, traceback.format_exc()))
-        finally:
-            moepar.parallel.reset_parallel_state()
-    moepar.destroy_parallel()
+            return
+        try:
+            moepar.destroy_parallel()
+        except BaseException:
+            outbox.put((rank, False, "destroy_parallel failed:\n" + traceback.format_exc()))
+            return
+        outbox.put((rank, True, result))
 
 
 class RankFailure(AssertionError):
@@ -75,10 +86,9 @@ class _Pool:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix="moepar-store-")
-        store_path = os.path.join(self.tmpdir, "store")
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, store_path, self.inboxes[r], self.outbox),
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tmpdir, self.inboxes[r], self.outbox),
                                   daemon=True, name=f"moepar-rank{r}") for r in range(world_size)]
         for p in self.procs:
             p.start()

@@ -93,6 +93,24 @@ def test_fully_sharded_training_matches_one_process(tp, ep, sp):
     assert abs(ref_losses[-1] - ref_losses[0]) > 1e-2
 
 
+def _two_worlds(store_path, ref_params):
+    first = _sharded_run(1, 2, False, ref_params)  # in the world the test pool set up
+    rank = dist.get_rank()
+    moepar.destroy_parallel()
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 4), rank=rank, world_size=4)
+    return first, _sharded_run(2, 2, False, ref_params)
+
+
+def test_a_second_world_in_one_process_shards_on_its_own_groups(tmp_path):
+    # DTensor caches output specs keyed by meshes that compare by ranks, not by group: without
+    # destroy_parallel emptying those caches, the second world's expert parameters carried
+    # the first world's (destroyed) group and full_tensor failed to resolve it.
+    ref_losses, _, ref_params = _reference(False)
+    for first, second in run_ranks(_two_worlds, 4, str(tmp_path / "store"), ref_params):
+        for losses, _, worst, _ in (first, second):
+            assert max(abs(a - b) for a, b in zip(losses, ref_losses)) < 1e-5 and worst < 1e-5
+
+
 def _bad_input(case):
     state = moepar.init_parallel(1, 2, verbose=False)
     if case == "dense":

@@ -94,4 +94,4 @@ def test_helper_fails_ranks_that_exit_abnormally():
     with pytest.raises(RankFailure, match=r"rank 1: exit code -6"):
         run_ranks(_abort_at_exit_on_rank1, 2, fresh=True)
     with pytest.raises(RankFailure, match=r"ranks \[1\] died during _die_on_rank1 \(exit codes \{1: 3\}\)"):
-        run_ranks(_die_on_rank1, 2, fresh=True, timeout=60)
+        run_ranks(_die_on_rank1, 2, fresh=True)

@@ -345,10 +345,11 @@ def _drop_references() -> None:
 
 def destroy_parallel() -> None:
     """End the parallel job cleanly: barrier, drop moepar's groups and meshes, destroy every
-    process group and collect, so that every group's worker threads are joined while the
-    interpreter is intact. Call it once at the end of a script, on every rank, instead of
-    (not after) ``torch.distributed.destroy_process_group()``. Without torch.distributed it
-    only forgets the parallel state. A later ``init_parallel`` needs a new process group.
+    process group, empty DTensor's plan caches (they would outlive the groups) and collect,
+    so that every group's worker threads are joined while the interpreter is intact. Call it
+    once at the end of a script, on every rank, instead of (not after)
+    ``torch.distributed.destroy_process_group()``. Without torch.distributed it only forgets
+    the parallel state. A later ``init_parallel`` needs a new process group.
     """
     initialized = dist.is_available() and dist.is_initialized()
     if initialized:
@@ -356,4 +357,21 @@ def destroy_parallel() -> None:
     _drop_references()
     if initialized:
         dist.destroy_process_group()
+        _forget_dtensor_plans()
     gc.collect()
+
+
+def _forget_dtensor_plans() -> None:
+    """Empty DTensor's sharding-propagation caches after the world is gone. They key on
+    DeviceMesh, which compares equal by ranks and shape, not by process group: in a later
+    world an output spec cached in this one would carry a mesh whose group was destroyed
+    (group names restart at 0 in a new world, so it could even name a different group).
+    torch 2.13 has no public API for this; both caches are skipped if torch renames them."""
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    dispatcher = getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None)
+    cached = getattr(getattr(dispatcher, "sharding_propagator", None), "propagate_op_sharding", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
