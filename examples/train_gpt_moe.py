@@ -12,6 +12,7 @@ the communication cost report for this configuration, measured beside predicted.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -78,6 +79,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
     g.add_argument("--sample-tokens", type=int, default=200)
     g.add_argument("--hardware", default=None, help="hardware preset or calibrated profile for the cost report")
+    g.add_argument("--time-peer-wait", action="store_true",
+                   help="a barrier before each collective, timed apart: the report then splits waiting "
+                        "for peers from the transfer (slows the steps; a measurement mode)")
     g.add_argument("--quiet", action="store_true", help="no progress lines (tests)")
     return p.parse_args(argv)
 
@@ -176,7 +180,8 @@ def train(args) -> dict:
             group["lr"] = lr
         x, y = train_b.get(step, state.dp_rank, state.dp_size)
         t0 = time.perf_counter()
-        with comm.track() as events:
+        peer_wait = comm.peer_wait_timing() if args.time_peer_wait else contextlib.nullcontext()
+        with comm.track() as events, peer_wait:
             with _autocast(device):
                 ce = model(x.to(device), y.to(device))
                 aux = moepar.aux_loss(model)
@@ -201,7 +206,9 @@ def train(args) -> dict:
         metrics["tokens_per_s"].append(tokens_per_step / dt)
         for e in events.events:
             metrics["comm_seconds"][e.op] = metrics["comm_seconds"].get(e.op, 0.0) + e.seconds
-        metrics["compute_seconds"] += dt - events.seconds()
+        waited = sum(e.wait_seconds for e in events.events)  # 0 unless --time-peer-wait
+        metrics["peer_wait_seconds"] = metrics.get("peer_wait_seconds", 0.0) + waited
+        metrics["compute_seconds"] += dt - events.seconds() - waited
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
             metrics["val"].append((step + 1, evaluate(model, val_b, args, state, device)))
         if (step + 1) % args.log_interval == 0 or step == start:
@@ -250,7 +257,8 @@ def _finish(args, cfg, state, model, metrics, events, device, log) -> None:
         comm_s = metrics["comm_seconds"]
         log("time: compute {:.1f}s, all-to-all {:.1f}s, all-reduce {:.1f}s, all-gather {:.1f}s, "
             "reduce-scatter {:.1f}s".format(metrics["compute_seconds"], *(comm_s.get(op, 0.0) for op in (
-                "all_to_all", "all_reduce", "all_gather", "reduce_scatter"))))
+                "all_to_all", "all_reduce", "all_gather", "reduce_scatter")))
+            + (f", waiting for peers {metrics['peer_wait_seconds']:.1f}s" if metrics.get("peer_wait_seconds") else ""))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "metrics.json"), "w") as f:
         json.dump(metrics, f, indent=1, default=str)

@@ -1,4 +1,6 @@
 """Autograd collectives: forward values, backward values, uneven splits, no-op at size 1."""
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -126,3 +128,25 @@ def test_split_sizes():
     assert comm.split_sizes(10, 4) == [3, 3, 2, 2]
     assert comm.split_sizes(1, 3) == [1, 0, 0]
     assert sum(comm.split_sizes(4097, 8)) == 4097
+
+
+def _late_rank_all_reduce(wait):
+    import time
+    t = torch.ones(4)
+    with comm.track() as stats, (comm.peer_wait_timing() if wait else contextlib.nullcontext()):
+        if dist.get_rank() == 1:
+            time.sleep(0.5)  # rank 1 arrives late: rank 0 waits for it
+        comm.all_reduce_(t, dist.group.WORLD)
+        comm.all_reduce_(t, dist.group.WORLD)  # both ranks aligned: no wait
+    return [(e.seconds, e.wait_seconds) for e in stats.events], t.tolist()
+
+
+def test_peer_wait_timing_splits_the_late_rank_from_the_transfer():
+    plain, waited = run_ranks(_late_rank_all_reduce, 2, False), run_ranks(_late_rank_all_reduce, 2, True)
+    # Without the barrier rank 0's first all-reduce includes the 0.5 s it waited for rank 1.
+    (first, _), (second, _) = plain[0][0]
+    assert first > 0.4 and second < 0.2 and all(w == 0.0 for _, w in plain[0][0])
+    # With it the wait is recorded apart and the call itself is short; the values still add.
+    (first, wait1), (second, wait2) = waited[0][0]
+    assert wait1 > 0.4 and first < 0.2 and wait2 < 0.2 and second < 0.2
+    assert all(values == [4.0] * 4 for _, values in waited)

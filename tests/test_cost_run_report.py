@@ -1,5 +1,6 @@
 """The example's end-of-run report: for every op (and group size, phase) the calls and bytes
-the run recorded equal the cost model's, on 4 gloo ranks and two layouts."""
+the run recorded equal the cost model's, on 4 gloo ranks and three layouts, one of them with
+the peer-wait barriers (which must not count as collectives)."""
 import dataclasses
 
 import pytest
@@ -29,7 +30,7 @@ def _report_rows(argv):
 
 @pytest.mark.parametrize("layout", [["--tp", "2", "--ep", "2"],
                                     ["--tp", "2", "--ep", "1", "--moe-every", "2", "--z-loss-coeff", "0"],
-                                    ["--tp", "1", "--ep", "4", "--moe-every", "2"]])
+                                    ["--tp", "1", "--ep", "4", "--moe-every", "2", "--time-peer-wait"]])
 def test_every_op_matches_the_model(tmp_path, layout):
     argv = TINY + ["--steps", "2", "--hardware", "h100", "--out", str(tmp_path), *layout]
     rows = run_ranks(_report_rows, 4, argv)[0]
@@ -39,3 +40,5 @@ def test_every_op_matches_the_model(tmp_path, layout):
     for r in rows:
         assert (r["calls"], r["nbytes"]) == (r["model_calls"], r["model_bytes"]), r
         assert r["model_seconds"] > 0
+        # --time-peer-wait: the barriers are timed apart, and are not counted as collectives.
+        assert (r["wait_seconds"] > 0) == ("--time-peer-wait" in layout), r

@@ -35,6 +35,7 @@ class RunRow:
     calls: int = 0
     nbytes: float = 0.0
     seconds: float = 0.0
+    wait_seconds: float = 0.0   # before the calls, waiting for peers (comm.peer_wait_timing)
     model_calls: int = 0
     model_bytes: float = 0.0
     model_seconds: float = 0.0
@@ -58,6 +59,7 @@ def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: I
         r.calls += 1
         r.nbytes += e.nbytes
         r.seconds += e.seconds
+        r.wait_seconds += getattr(e, "wait_seconds", 0.0)
     cost = step_cost(spec, layout, hardware)
     exact_rows = received_rows is not None and dedup_fraction(spec, layout) is None and layout.etp == 1
     for c in cost.layer + cost.step:
@@ -81,13 +83,20 @@ def render_run(rows: list[RunRow], hardware: Hardware, layout: CostLayout, steps
               "same": "yes" if (r.calls, r.nbytes) == (r.model_calls, r.model_bytes) else "NO",
               "measured": fmt_time(r.seconds), "predicted": fmt_time(r.model_seconds),
               "pred/meas": f"{r.model_seconds / r.seconds:.3g}" if r.seconds > 0 else "-"} for r in rows]
-    tot = {k: sum(getattr(r, k) for r in rows) for k in ("calls", "nbytes", "seconds", "model_calls",
-                                                         "model_bytes", "model_seconds")}
+    tot = {k: sum(getattr(r, k) for r in rows) for k in ("calls", "nbytes", "seconds", "wait_seconds",
+                                                         "model_calls", "model_bytes", "model_seconds")}
+    waited = tot["wait_seconds"] > 0
+    if waited:  # measured with comm.peer_wait_timing(): "measured" is the transfer alone
+        for t, r in zip(table, rows):
+            t["peer wait"] = fmt_time(r.wait_seconds)
     head = (f"communication of {steps} step(s), this run (rank 0) vs the cost model ({hardware.name}; "
             f"{layout.describe()}):")
     totals = [{"": "measured", "calls": tot["calls"], "bytes": fmt_bytes(tot["nbytes"]), "time": fmt_time(tot["seconds"])},
               {"": "predicted", "calls": tot["model_calls"], "bytes": fmt_bytes(tot["model_bytes"]),
                "time": fmt_time(tot["model_seconds"])}]
+    if waited:
+        totals.insert(1, {"": "waiting for peers (before the calls)", "calls": tot["calls"], "bytes": "-",
+                          "time": fmt_time(tot["wait_seconds"])})
     same = all((r.calls, r.nbytes) == (r.model_calls, r.model_bytes) for r in rows)
     verdict = ("every op: calls and bytes as the model counts them" if same
                else "MISMATCH: the rows marked NO differ from the model")

@@ -31,6 +31,9 @@ class CommEvent:
     nbytes: int
     seconds: float
     backward: bool
+    # Inside ``peer_wait_timing()``: the barrier before the call, i.e. how long this rank
+    # waited for the group's last rank to arrive; ``seconds`` is then the collective alone.
+    wait_seconds: float = 0.0
 
 
 class CommStats:
@@ -69,6 +72,8 @@ class CommStats:
 _LISTENERS: list[CommStats] = []
 # Depth of ``synchronized_timing()`` blocks: while > 0, CUDA is synchronized around each call.
 _SYNC_DEPTH = [0]
+# Depth of ``peer_wait_timing()`` blocks: while > 0, a barrier on the group precedes each call.
+_WAIT_DEPTH = [0]
 
 
 @contextlib.contextmanager
@@ -94,6 +99,22 @@ def synchronized_timing() -> Iterator[None]:
         _SYNC_DEPTH[0] -= 1
 
 
+@contextlib.contextmanager
+def peer_wait_timing() -> Iterator[None]:
+    """Inside the block, every recorded collective is preceded by a barrier on its group,
+    timed apart as ``CommEvent.wait_seconds``. In a training step a collective's time
+    includes waiting for the slowest rank to arrive (compute skew, an oversubscribed CPU);
+    the barrier separates that wait from the transfer, which is what the cost model prices.
+    It adds one small collective per call and aligns the ranks: a measurement mode (the
+    example's ``--time-peer-wait``), not for production steps. Collectives on every rank
+    must be the same inside it, as they must be anyway."""
+    _WAIT_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _WAIT_DEPTH[0] -= 1
+
+
 def group_size(group) -> int:
     return 1 if group is None else dist.get_world_size(group)
 
@@ -107,14 +128,21 @@ def _nbytes(t: torch.Tensor) -> int:
 
 
 def _timed(op: str, group, nbytes: int, backward: bool, fn, stats: CommStats | None = None) -> None:
-    sync = _SYNC_DEPTH[0] > 0 and torch.cuda.is_available()
+    sync = (_SYNC_DEPTH[0] > 0 or _WAIT_DEPTH[0] > 0) and torch.cuda.is_available()
     if sync:
         torch.cuda.synchronize()
+    wait = 0.0
+    if _WAIT_DEPTH[0] > 0:
+        t_arrive = time.perf_counter()
+        dist.barrier(group=group)
+        if sync:
+            torch.cuda.synchronize()
+        wait = time.perf_counter() - t_arrive
     t0 = time.perf_counter()
     fn()
     if sync:
         torch.cuda.synchronize()
-    event = CommEvent(op, group_size(group), nbytes, time.perf_counter() - t0, backward)
+    event = CommEvent(op, group_size(group), nbytes, time.perf_counter() - t0, backward, wait)
     for listener in _LISTENERS:
         listener.add(event)
     if stats is not None:
