@@ -59,7 +59,7 @@ def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: I
         r.calls += 1
         r.nbytes += e.nbytes
         r.seconds += e.seconds
-        r.wait_seconds += getattr(e, "wait_seconds", 0.0)
+        r.wait_seconds += e.wait_seconds
     cost = step_cost(spec, layout, hardware)
     exact_rows = received_rows is not None and dedup_fraction(spec, layout) is None and layout.etp == 1
     for c in cost.layer + cost.step:
