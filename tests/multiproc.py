@@ -17,6 +17,10 @@ Rendezvous goes through a ``FileStore`` in a fresh temporary directory, one file
 ``init_process_group``; their exit codes are checked when a pool closes:
 ``run_ranks(..., fresh=True)`` runs in new processes and fails the test whose ranks do not
 exit 0, and shared pools are checked when replaced and at the end of the session (conftest).
+
+``run_ranks(..., fake_cuda=True)`` runs on workers started with the fake-CUDA shim in
+``LD_PRELOAD`` (tests/fake_cuda: "cuda" tensors on a CPU-only machine, which needs the shim
+loaded before torch), a pool of their own keyed by ``(world_size, fake_cuda)``.
 """
 from __future__ import annotations
 
@@ -34,11 +38,18 @@ from typing import Any, Callable
 DEFAULT_TIMEOUT = float(os.environ.get("MOEPAR_TEST_TIMEOUT", "180"))
 
 
-def _worker(rank: int, world_size: int, store_dir: str, inbox, outbox) -> None:
+def _worker(rank: int, world_size: int, store_dir: str, inbox, outbox, fake_cuda: bool = False) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     import torch
     import torch.distributed as dist
+
+    if fake_cuda:
+        from .fake_cuda import available as _shim_loaded
+        if not _shim_loaded():
+            outbox.put((rank, False, "fake_cuda: the shim is not loaded in this worker (LD_PRELOAD="
+                        f"{os.environ.get('LD_PRELOAD', '')!r})"))
+            return
 
     # Before any process group exists, as a user's script does: moepar's import is what keeps
     # torch.distributed.nn from pinning the world group (issue 19).
@@ -82,16 +93,29 @@ class RankFailure(AssertionError):
 
 
 class _Pool:
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, fake_cuda: bool = False):
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self.tmpdir = tempfile.mkdtemp(prefix="moepar-store-")
         self.inboxes = [ctx.Queue() for _ in range(world_size)]
         self.outbox = ctx.Queue()
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tmpdir, self.inboxes[r], self.outbox),
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.tmpdir, self.inboxes[r], self.outbox,
+                                                        fake_cuda),
                                   daemon=True, name=f"moepar-rank{r}") for r in range(world_size)]
-        for p in self.procs:
-            p.start()
+        # The shim must be loaded before torch: LD_PRELOAD only while these processes start.
+        saved = os.environ.get("LD_PRELOAD")
+        if fake_cuda:
+            from .fake_cuda import build
+            os.environ["LD_PRELOAD"] = build.preload_env()["LD_PRELOAD"]
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            if fake_cuda:
+                if saved is None:
+                    os.environ.pop("LD_PRELOAD", None)
+                else:
+                    os.environ["LD_PRELOAD"] = saved
 
     def alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -157,7 +181,7 @@ def _format(headline: str, errors: dict[int, str]) -> str:
     return "\n".join(parts)
 
 
-_POOLS: dict[int, _Pool] = {}
+_POOLS: dict[tuple[int, bool], _Pool] = {}
 # Abnormal exits of shared pools' workers, reported by check_exits() (conftest, session end).
 _ABNORMAL: list[str] = []
 
@@ -169,14 +193,15 @@ def _exit_message(world_size: int, bad: dict[int, int | None]) -> str:
 
 
 def run_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT, fresh: bool = False,
-              **kwargs) -> list[Any]:
+              fake_cuda: bool = False, **kwargs) -> list[Any]:
     """``[fn(*args, **kwargs) on rank r for r in range(world_size)]`` on gloo workers.
 
     ``fresh=True``: in new processes that end after the call; fails (RankFailure) when any
     of them does not exit 0 (e.g. an abort in teardown) even though ``fn`` succeeded.
+    ``fake_cuda=True``: on workers started with the fake-CUDA shim preloaded (tests/fake_cuda).
     """
     if fresh:
-        pool = _Pool(world_size)
+        pool = _Pool(world_size, fake_cuda)
         try:
             results = pool.run(fn, args, kwargs, timeout)
         finally:
@@ -184,23 +209,24 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIM
         if bad:
             raise RankFailure(_exit_message(world_size, bad))
         return results
-    pool = _POOLS.get(world_size)
+    key = (world_size, bool(fake_cuda))
+    pool = _POOLS.get(key)
     if pool is None or not pool.alive():
         if pool is not None:
             bad = pool.close()
             if bad:
                 _ABNORMAL.append(_exit_message(world_size, bad))
-        pool = _POOLS[world_size] = _Pool(world_size)
+        pool = _POOLS[key] = _Pool(world_size, fake_cuda)
     try:
         return pool.run(fn, args, kwargs, timeout)
     except RankFailure:
-        _POOLS.pop(world_size, None)
+        _POOLS.pop(key, None)
         raise
 
 
 def close_pools() -> list[str]:
     """Stop the shared pools; returns (and clears) the abnormal exits seen so far."""
-    for world_size, pool in _POOLS.items():
+    for (world_size, _), pool in _POOLS.items():
         bad = pool.close(grace=60.0)
         if bad:
             _ABNORMAL.append(_exit_message(world_size, bad))
