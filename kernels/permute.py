@@ -9,7 +9,8 @@ expert, so rows are expert-major and, inside an expert, in token order (then k o
 ``row_map_TK[t, k]`` is the row of route (t, k), -1 where it was dropped; ``route_N[n]``
 (internal) is its inverse, the route of row n or -1 for a padding row. Index computation
 is a histogram, one stable sort of R narrow integer keys and a prefix sum: work and memory
-linear in R (up to the sort), never a [T, E, C] mask.
+linear in R (up to the sort), never a [T, E, C] mask, and no host read when the caller
+passes the row count (``num_rows``): the MoE dispatcher knows it from its counts exchange.
 
 Kernels (CUDA, or the CPU under ``TRITON_INTERPRET=1``): one program per block of rows,
 vectorised over D with an inner loop over D chunks, int64 offsets, fp32 arithmetic.
@@ -151,9 +152,13 @@ def _use_triton(t: torch.Tensor, impl: str) -> bool:
 # ---- index computation (torch, O(R), shared by both paths) -----------------------------
 
 def _route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor], num_experts: int,
-                 capacity: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(counts_E int64, row_map_TK int64, route_N int64). One host sync (the counts),
-    which also carries the range check of the ids."""
+                 capacity: Optional[int], num_rows: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(counts_E int64, row_map_TK int64, route_N int64), all on the ids' device.
+
+    ``num_rows`` given (the caller knows the kept routes, dropless, or E*C with a capacity):
+    nothing is read back to the host, so on CUDA nothing waits; the caller vouches that the
+    ids lie in [0, E) and that no expert exceeds the capacity. None: one host read of the
+    histogram counts the kept routes and checks both."""
     T, K = expert_ids_TK.shape
     R, E = T * K, num_experts
     dev = expert_ids_TK.device
@@ -162,36 +167,39 @@ def _route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor]
     # Sort key: the expert, E for dropped routes (they sort last), E+1 for invalid ids.
     key_R = ids_R if dropped_TK is None else ids_R.masked_fill(dropped_TK.reshape(R), E)
     key_R = key_R.masked_fill(bad_R, E + 1)
-    hist = torch.bincount(key_R, minlength=E + 2).cpu()  # [E + 2]: kept per expert, dropped, bad
-    if int(hist[E + 1]):
-        bad = ids_R[bad_R]
-        raise ValueError(f"expert id {int(bad[0])} out of range: ids must lie in [0, num_experts={E}) "
-                         f"({int(hist[E + 1])} of {R} routes are out of range)")
+    # [E + 2]: kept per expert, dropped, bad. scatter_add, not bincount: bincount reads the
+    # input's max back to the host on CUDA.
+    hist = torch.zeros(E + 2, dtype=torch.int64, device=dev).scatter_add_(0, key_R, torch.ones_like(key_R))
     counts_E = hist[:E]
-    n_kept = int(counts_E.sum())
+    if num_rows is None:
+        h = hist.cpu()
+        if int(h[E + 1]):
+            bad = ids_R.cpu()[bad_R.cpu()]
+            raise ValueError(f"expert id {int(bad[0])} out of range: ids must lie in [0, num_experts={E}) "
+                             f"({int(h[E + 1])} of {R} routes are out of range)")
+        if capacity is not None and bool((h[:E] > capacity).any()):
+            e = int(torch.nonzero(h[:E] > capacity)[0])
+            raise ValueError(f"expert {e} has {int(h[e])} kept routes but capacity={capacity}: "
+                             f"drop the routes beyond capacity first (the router does)")
+        num_rows = int(h[:E].sum()) if capacity is None else E * capacity
     # Routes, expert-major, token order inside. Narrow keys sort faster (radix passes).
     narrow = torch.int16 if E + 2 <= torch.iinfo(torch.int16).max else torch.int32
     order_R = torch.sort(key_R.to(narrow), stable=True).indices
-    if capacity is None:
-        route_N = order_R[:n_kept]
-        rows_kept = torch.arange(n_kept, device=dev)
-        num_rows = n_kept
-    else:
-        over = counts_E > capacity
-        if bool(over.any()):
-            e = int(torch.nonzero(over)[0])
-            raise ValueError(f"expert {e} has {int(counts_E[e])} kept routes but capacity={capacity}: "
-                             f"drop the routes beyond capacity first (the router does)")
-        # Route at sorted position i of expert e goes to slot i - start_e of block e.
-        start_E = (torch.cumsum(counts_E, 0) - counts_E).to(dev)
-        sorted_e = key_R.index_select(0, order_R[:n_kept])
-        rows_kept = torch.arange(n_kept, device=dev) - start_E.index_select(0, sorted_e) + sorted_e * capacity
-        num_rows = E * capacity
-        route_N = torch.full((num_rows,), -1, dtype=torch.int64, device=dev)
-        route_N.index_copy_(0, rows_kept, order_R[:n_kept])
     row_map_R = torch.full((R,), -1, dtype=torch.int64, device=dev)
-    row_map_R.index_copy_(0, order_R[:n_kept], rows_kept)
-    return counts_E.to(dev), row_map_R.view(T, K), route_N
+    if capacity is None:
+        route_N = order_R[:num_rows]
+        row_map_R.index_copy_(0, route_N, torch.arange(num_rows, device=dev))
+        return counts_E, row_map_R.view(T, K), route_N
+    # Route at sorted position i of expert e goes to slot e*C + (i - start_e); the dropped
+    # and bad routes to private slots past the E*C rows (their count is not known here).
+    start = torch.cumsum(hist, 0) - hist
+    key_sorted = key_R.index_select(0, order_R)
+    pos = torch.arange(R, device=dev)
+    kept = key_sorted < E
+    slot = torch.where(kept, key_sorted * capacity + pos - start.index_select(0, key_sorted), E * capacity + pos)
+    route_N = torch.full((E * capacity + R,), -1, dtype=torch.int64, device=dev).index_copy_(0, slot, order_R)
+    row_map_R.index_copy_(0, order_R, torch.where(kept, slot, -1))
+    return counts_E, row_map_R.view(T, K), route_N[:E * capacity]
 
 
 def inverse_row_map(row_map_TK: torch.Tensor, num_rows: int) -> torch.Tensor:
@@ -212,10 +220,10 @@ def _gather_reference(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, dense: 
     if dense:  # every row has a route (dropless): one gather
         out = _empty_rows(x_TD, route_N.shape[0], x_TD.shape[1], x_TD.dtype)
         return torch.index_select(x_TD, 0, route_N // K, out=out)
-    out = x_TD.new_zeros(route_N.shape[0], x_TD.shape[1])
-    valid = route_N >= 0
-    rows = torch.nonzero(valid).flatten()
-    return out.index_copy_(0, rows, x_TD.index_select(0, route_N[rows] // K))
+    if x_TD.shape[0] == 0:   # no tokens: every row is padding
+        return x_TD.new_zeros(route_N.shape[0], x_TD.shape[1])
+    rows = x_TD.index_select(0, route_N.clamp(min=0) // K)
+    return torch.where((route_N >= 0)[:, None], rows, 0)
 
 
 def _combine_reference(src_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
@@ -230,7 +238,8 @@ def _combine_reference(src_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_T
     if T == 0 or src_ND.shape[0] == 0 or D == 0:
         return src_ND.new_zeros(T, D)
     kept_TK = row_map_TK >= 0
-    any_dropped = not bool(kept_TK.all())
+    # The dense fast path needs a host read of the mask: only where that read is free.
+    any_dropped = src_ND.device.type != "cpu" or not bool(kept_TK.all())
     if src_ND.dtype == torch.float32:
         w = None if weights_TK is None else weights_TK.to(torch.float32)
         if not any_dropped:
@@ -267,7 +276,7 @@ def _unpermute_backward_reference(grad_TD: torch.Tensor, y_ND: Optional[torch.Te
         return (grad_TD.new_zeros(N, D, dtype=dtype),
                 None if y_ND is None else torch.zeros(0, K, dtype=torch.float32, device=grad_TD.device))
     valid = route_N >= 0
-    any_pad = N > 0 and not bool(valid.all())
+    any_pad = N > 0 and (grad_TD.device.type != "cpu" or not bool(valid.all()))
     route = route_N.clamp(min=0)
     tok = route // K
     src = grad_TD.to(dtype)
@@ -299,7 +308,7 @@ def permute_reference(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_T
     """``permute`` in plain torch (same contract, differentiable through torch autograd)."""
     check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
     K = expert_ids_TK.shape[1]
-    counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity)
+    counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity, None)
     tok_N = (route_N.clamp(min=0) // K)
     x_ND = x_TD.index_select(0, tok_N)
     if capacity is not None:
@@ -366,10 +375,10 @@ def _combine(src_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optiona
 
 @torch.library.custom_op("moepar::permute", mutates_args=())
 def _permute_op(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
-                num_experts: int, capacity: Optional[int], impl: str
+                num_experts: int, capacity: Optional[int], num_rows: Optional[int], impl: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     K = expert_ids_TK.shape[1]
-    counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity)
+    counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
     if _use_triton(x_TD, impl):
         x_ND = _gather(x_TD, route_N, K, x_TD.dtype)
     else:
@@ -378,10 +387,12 @@ def _permute_op(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Opt
 
 
 @_permute_op.register_fake
-def _(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, impl):
+def _(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows, impl):
     T, K = expert_ids_TK.shape
     if capacity is not None:
         n = num_experts * capacity
+    elif num_rows is not None:
+        n = num_rows
     elif dropped_TK is None:  # dropless with nothing dropped: every route is a row (static)
         n = T * K
     else:
@@ -391,7 +402,7 @@ def _(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, impl):
 
 
 def _permute_setup(ctx, inputs, output):
-    ctx.num_tokens, ctx.impl = inputs[0].shape[0], inputs[5]
+    ctx.num_tokens, ctx.impl = inputs[0].shape[0], inputs[6]
     ctx.save_for_backward(output[2])
 
 
@@ -400,7 +411,7 @@ def _permute_backward(ctx, grad_x_ND, grad_counts, grad_row_map):
     grad_x = None
     if grad_x_ND is not None:
         grad_x = _unpermute_op(grad_x_ND, row_map_TK, None, ctx.num_tokens, ctx.impl)
-    return grad_x, None, None, None, None, None
+    return grad_x, None, None, None, None, None, None
 
 
 _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -467,8 +478,8 @@ def _(grad_TD, y_ND, row_map_TK, weights_TK, num_rows, dtype, impl):
 # ---- public API -------------------------------------------------------------------------------
 
 def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
-            num_experts: int, *, capacity: Optional[int] = None, impl: str = "auto"
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            num_experts: int, *, capacity: Optional[int] = None, num_rows: Optional[int] = None,
+            impl: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gather each kept route's token row, expert-major: ``(x_ND, tokens_per_expert_E, row_map_TK)``.
 
     Dropless (``capacity=None``): N = kept routes; expert e's rows follow expert e-1's, in
@@ -479,11 +490,16 @@ def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optiona
     be None. Differentiable w.r.t. ``x_TD``. ``impl``: "auto" (Triton on CUDA, torch
     elsewhere), "triton" or "reference". Raises ``ValueError`` on ids outside
     ``[0, num_experts)``, non-integer ids or mismatched shapes.
+
+    ``num_rows``: x_ND's rows when the caller already knows them (dropless: the kept routes;
+    with a capacity: E*C). Then nothing is read back to the host (no wait on CUDA, a static
+    shape under torch.compile) and the caller vouches for what that read would check: ids in
+    range, no expert over its capacity. Without it the permute reads the route histogram once.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
-    return _permute_op(x_TD, expert_ids_TK, dropped_TK, int(num_experts), capacity, impl)
+    check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
+    return _permute_op(x_TD, expert_ids_TK, dropped_TK, int(num_experts), capacity, num_rows, impl)
 
 
 def unpermute(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 
-def check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity) -> None:
+def check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows=None) -> None:
     if not isinstance(x_TD, torch.Tensor) or x_TD.dim() != 2:
         raise ValueError(f"x_TD must be a 2-D [T, D] tensor, got shape {tuple(getattr(x_TD, 'shape', ()))}")
     if expert_ids_TK.dim() != 2 or expert_ids_TK.shape[0] != x_TD.shape[0]:
@@ -28,6 +28,15 @@ def check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity) -
         raise ValueError(f"num_experts={num_experts!r} must be a positive integer")
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ValueError(f"capacity={capacity!r} must be None or an integer >= 0")
+    if num_rows is not None:
+        R = expert_ids_TK.shape[0] * expert_ids_TK.shape[1]
+        if isinstance(num_rows, bool) or not isinstance(num_rows, int) or num_rows < 0:
+            raise ValueError(f"num_rows={num_rows!r} must be None or an integer >= 0")
+        if capacity is not None and num_rows != num_experts * capacity:
+            raise ValueError(f"num_rows={num_rows} but capacity={capacity} gives num_experts x capacity = "
+                             f"{num_experts * capacity} rows")
+        if capacity is None and num_rows > R:
+            raise ValueError(f"num_rows={num_rows} is more than the {R} routes of expert_ids_TK")
 
 
 def check_unpermute_args(y_ND, row_map_TK, weights_TK, num_tokens) -> None:

@@ -82,7 +82,9 @@ def draw(rng: random.Random) -> dict:
     bias = None
     if layer["expert_bias"]:   # nonzero, large enough against scores ~1/E to change the selection
         bias = [round(rng.choice([-1, 1]) * rng.uniform(0.02, 0.3), 4) for _ in range(E)]
-    return dict(layout=(tp, ep, etp), form=form, layer=layer, uneven=rng.choice([False, True]), sp=sp,
+    # padded capacity mode: every rank of a block routes the same tokens (equal capacities)
+    uneven = form != "padded" and rng.choice([False, True])
+    return dict(layout=(tp, ep, etp), form=form, layer=layer, uneven=uneven, sp=sp,
                 dtype=dtype, hidden=hidden, expert_bias=bias)
 
 

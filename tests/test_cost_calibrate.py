@@ -91,10 +91,11 @@ def test_measured_vs_predicted_with_recorded_events():
     lines = text.splitlines()
     assert "measured vs predicted" in lines[0]
     a2a = [ln for ln in lines if ln.strip().startswith("all_to_all")]
-    # forward: 2 measured; the model expects counts + dispatch + combine = 3; backward: 2 and 2
+    # forward: 2 measured; the model expects dispatch + combine = 2 (the counts travel in an
+    # all-gather); backward: 2 and 2
     assert len(a2a) == 2
     bwd, fwd = (ln.split() for ln in a2a)                    # rows sorted by (op, n, phase)
-    assert fwd[:5] == ["all_to_all", "2", "fwd", "2", "3"]
+    assert fwd[:5] == ["all_to_all", "2", "fwd", "2", "2"]
     assert bwd[:5] == ["all_to_all", "2", "bwd", "2", "2"]
     assert "16 KiB" in a2a[1]                               # 2 calls x 64 x 32 x 4 bytes
     assert lines[-1].startswith("total: measured")

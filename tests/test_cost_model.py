@@ -1,5 +1,6 @@
 """Layer accounting: Mixtral-8x7B parameters and FLOPs by hand, routes, memory, the
 collective list per layer and per step, and the messages for layouts that do not fit."""
+import dataclasses
 import math
 
 import pytest
@@ -113,18 +114,20 @@ def _ops(calls, phase=None, group=None):
             and (group is None or c.group == group)]
 
 
-def test_ep_only_layer_issues_the_preflight_and_three_plus_two_all_to_alls():
+def test_ep_only_layer_issues_the_counts_all_gather_and_two_plus_two_all_to_alls():
+    # No collective over the world: the counts travel in one all-gather over the MoE block
+    # (here the EP group), then the token all-to-alls.
     spec, lay = mixtral(), CostLayout(8, 8, ep=8)
     calls = layer_calls(spec, lay, H100)
-    assert _ops(calls, "fwd") == [("all_reduce", "world")] + [("all_to_all", "ep")] * 3
-    preflight = [c for c in calls if c.name == "MoE preflight"][0]
-    assert preflight.nbytes == 8 * 3 * 8                                       # world·3·8
+    assert _ops(calls, "fwd") == [("all_gather", "moe")] + [("all_to_all", "ep")] * 2
     assert _ops(calls, "bwd") == [("all_to_all", "ep")] * 2
     dispatch = [c for c in calls if c.name == "MoE dispatch"][0]
     assert dispatch.nbytes == 4096 * 2 * 4096 * 2                             # R·D·b
     assert dispatch.sent == dispatch.nbytes * 7 / 8
     counts = [c for c in calls if c.name == "MoE counts"][0]
-    assert counts.nbytes == 8 * (8 + 9) * 8                                     # ep·(E + 9)·8
+    assert counts.nbytes == 8 * (8 + 11 + 8) * 8                 # block·(E + fields + ep)·8 gathered
+    padded = layer_calls(dataclasses.replace(spec, capacity_factor=1.0, pad_to_capacity=True), lay, H100)
+    assert _ops(padded, "fwd") == [("all_to_all", "ep")] * 2      # padded: no counts exchange
 
 
 def test_tp_ep_etp_layer_collectives():
@@ -151,8 +154,10 @@ def test_tp_ep_etp_layer_collectives():
     # int64 counts (the token count last); the old single 3·E·4 call was not what it issues
     assert [c for c in sp if c.name == "aux-loss statistics"][0].nbytes == 8 * 4
     assert [c for c in sp if c.name == "aux-loss counts"][0].nbytes == 9 * 8
-    counts = [c for c in sp if c.name == "shared experts SP token counts"]
-    assert [(c.op, c.phase, c.nbytes) for c in counts] == [("all_gather", "fwd", 2 * 8)]
+    # the TP peers' token counts travel in the counts all-gather (block = lcm(2, 8) = 8 ranks)
+    assert "shared experts SP token counts" not in names
+    counts = [c for c in sp if c.name == "MoE counts"]
+    assert [(c.op, c.group, c.group_size, c.nbytes) for c in counts] == [("all_gather", "moe", 8, 8 * (8 + 11 + 4) * 8)]
 
 
 def test_step_collectives_per_zero_stage():

@@ -16,8 +16,12 @@ def test_world8_tp2_ep4_table():
     assert lay.etp_groups() == [[r] for r in range(8)]
     assert lay.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert lay.edp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert lay.coords(3) == {"tp": 1, "dp": 1, "etp": 0, "ep": 3, "edp": 0}
-    assert lay.coords(6) == {"tp": 0, "dp": 3, "etp": 0, "ep": 2, "edp": 1}
+    assert lay.coords(3) == {"tp": 1, "dp": 1, "etp": 0, "ep": 3, "edp": 0, "moe": 3}
+    assert lay.coords(6) == {"tp": 0, "dp": 3, "etp": 0, "ep": 2, "edp": 1, "moe": 2}
+    # one MoE layer's block: the closure of its TP and EP groups, lcm(2, 4) = 4 ranks
+    assert lay.moe_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    rows = lay.moe_rows(6)   # rank 6 is row 2 of block [4..7]; its TP peers 6, 7 are rows 2, 3
+    assert (rows.me, rows.sub, rows.ep_rows, rows.tp_rows) == (2, 0, (0, 1, 2, 3), (2, 3))
 
 
 def test_world16_tp2_ep4_etp2_table():
@@ -28,7 +32,10 @@ def test_world16_tp2_ep4_etp2_table():
     assert lay.etp_groups() == [[2 * i, 2 * i + 1] for i in range(8)]
     assert lay.ep_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
     assert lay.edp_groups() == [[j, j + 8] for j in range(8)]
-    assert lay.coords(13) == {"tp": 1, "dp": 6, "etp": 1, "ep": 2, "edp": 1}
+    assert lay.coords(13) == {"tp": 1, "dp": 6, "etp": 1, "ep": 2, "edp": 1, "moe": 5}
+    assert lay.moe_groups() == [list(range(8)), list(range(8, 16))]   # lcm(2, 4 x 2) = 8
+    rows = lay.moe_rows(13)   # EP peers 9, 11, 13, 15 (etp index 1); TP peers 12, 13
+    assert (rows.me, rows.sub, rows.ep_rows, rows.tp_rows) == (5, 0, (1, 3, 5, 7), (4, 5))
 
 
 def test_world16_tp4_ep2_table():
@@ -37,6 +44,9 @@ def test_world16_tp4_ep2_table():
     assert lay.dp_groups() == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
     assert lay.ep_groups() == [[2 * i, 2 * i + 1] for i in range(8)]
     assert lay.edp_groups() == [list(range(0, 16, 2)), list(range(1, 16, 2))]
+    assert lay.moe_groups() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    rows = lay.moe_rows(11)   # block [8..11]: EP peers 10, 11 are rows 2, 3; TP peers all four
+    assert (rows.me, rows.sub, rows.ep_rows, rows.tp_rows) == (3, 2, (2, 3), (0, 1, 2, 3))
 
 
 @pytest.mark.parametrize("world,tp,ep,etp", [(1, 1, 1, 1), (4, 2, 2, 1), (8, 2, 4, 1), (8, 1, 2, 4),
@@ -97,7 +107,7 @@ def _state_on_rank(tp, ep, etp):
     out = {"line": state.describe(), "sizes": (state.tp_size, state.dp_size, state.ep_size,
                                                 state.etp_size, state.edp_size)}
     # The groups hold the ranks the layout says: all-reduce each rank's id in each group.
-    for kind in ("tp", "dp", "ep", "etp", "edp"):
+    for kind in ("tp", "dp", "ep", "etp", "edp", "moe"):
         t = torch.tensor([1 << dist.get_rank()])
         g = state.group(kind)
         if g is not None:

@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from moepar.moe.layer import MoE, aux_loss
 from moepar.parallel import allreduce_gradients, init_parallel
+from moepar.parallel.groups import Layout
 
 from . import moe_ref
 from .multiproc import run_ranks
@@ -103,10 +104,10 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
     """compare_layouts with the token exchange forced into one form (``mode``: a _PATHS key, or a
     list of keys, one per rank); returns (source-major used, regroup used, dedup used)
     with compare_layouts's results."""
-    from moepar.moe import cpu, dispatcher
+    from moepar.moe import cpu, exchange
     if isinstance(mode, list):
         mode = mode[dist.get_rank()]
-    old = (cpu.source_major_segments, dispatcher._regroup_index, dispatcher.dedup_send)
+    old = (cpu.source_major_segments, exchange.regroup_index, exchange.dedup_send)
     used = {"source": [], "regroup": [], "dedup": []}
 
     def counting(key, fn):
@@ -115,8 +116,8 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
             return fn(*a, **kw)
         return wrapped
     cpu.source_major_segments = counting("source", old[0])
-    dispatcher._regroup_index = counting("regroup", old[1])
-    dispatcher.dedup_send = counting("dedup", old[2])
+    exchange.regroup_index = counting("regroup", old[1])
+    exchange.dedup_send = counting("dedup", old[2])
     try:
         results = compare_layouts(tp, ep, etp, variants, uneven, {**(layer_kw or {}), **_PATHS[mode]}, *args)
         forms = {r["form"] for r in results}   # the layer's record agrees with what was called
@@ -124,7 +125,7 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
         assert bool(used["regroup"]) == bool(forms & {"regroup", "padded"}) or "padded" in forms, forms
         return bool(used["source"]), bool(used["regroup"]), bool(used["dedup"]), results
     finally:
-        cpu.source_major_segments, dispatcher._regroup_index, dispatcher.dedup_send = old
+        cpu.source_major_segments, exchange.regroup_index, exchange.dedup_send = old
 
 
 @pytest.mark.parametrize("mode", list(_PATHS))
@@ -158,10 +159,10 @@ def test_one_rank_voting_against_dedup_turns_it_off_everywhere():
     # Rank 0 sets dedup="off", the others force it: the group agrees on no dedup (a rank
     # that sent per-route rows while its peers expected per-token rows would hang or
     # corrupt). One EP group of all four ranks (the vote is per EP group).
-    out = run_ranks(_compare_dispatch_path, 4, ["source", "dedup", "dedup", "dedup"], 1, 4, 1,
+    out = run_ranks(_compare_dispatch_path, 4, ["regroup", "dedup", "dedup", "dedup"], 1, 4, 1,
                     VARIANTS[4:6], False, dict(num_experts=8))
     assert not any(dedup for _, _, dedup, _ in out)
-    assert all(source for source, _, _, _ in out)
+    assert all(regrouped for _, regrouped, _, _ in out)
     _assert_close([r for _, _, _, r in out])
 
 
@@ -223,16 +224,16 @@ def _count_collectives(tp, ep, etp, pad):
     (y * g).sum().backward()
     bwd = {op: moe.stats.comm.count(op, backward=True) for op in ("all_to_all", "all_gather", "reduce_scatter")}
     nbytes = moe.stats.comm_bytes("all_to_all", backward=False)
-    # The counts exchange is the forward's first all-to-all (not always its smallest).
-    a2a = [e.nbytes for e in moe.stats.comm.events if e.op == "all_to_all" and not e.backward]
-    return fwd, bwd, nbytes, (a2a[0] if a2a else None)
+    # The counts exchange is the forward's first collective: an all-gather over the block.
+    first = moe.stats.comm.events[0]
+    return fwd, bwd, nbytes, (first.op, first.group_size, first.nbytes)
 
 
 @pytest.mark.parametrize("layout,pad,fwd,bwd", [
-    ((1, 4, 1), False, {"all_to_all": 3, "all_gather": 0, "reduce_scatter": 0}, {"all_to_all": 2, "all_gather": 0, "reduce_scatter": 0}),
-    ((1, 4, 1), True, {"all_to_all": 3, "all_gather": 0, "reduce_scatter": 0}, {"all_to_all": 2, "all_gather": 0, "reduce_scatter": 0}),
-    ((2, 1, 1), False, {"all_to_all": 0, "all_gather": 1, "reduce_scatter": 0}, {"all_to_all": 0, "all_gather": 2, "reduce_scatter": 0}),
-    ((1, 2, 2), False, {"all_to_all": 3, "all_gather": 2, "reduce_scatter": 1}, {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}),
+    ((1, 4, 1), False, {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 0}, {"all_to_all": 2, "all_gather": 0, "reduce_scatter": 0}),
+    ((1, 4, 1), True, {"all_to_all": 2, "all_gather": 0, "reduce_scatter": 0}, {"all_to_all": 2, "all_gather": 0, "reduce_scatter": 0}),
+    ((2, 1, 1), False, {"all_to_all": 0, "all_gather": 2, "reduce_scatter": 0}, {"all_to_all": 0, "all_gather": 2, "reduce_scatter": 0}),
+    ((1, 2, 2), False, {"all_to_all": 2, "all_gather": 2, "reduce_scatter": 1}, {"all_to_all": 2, "all_gather": 1, "reduce_scatter": 1}),
 ])
 def test_collective_counts_are_as_documented(layout, pad, fwd, bwd):
     from moepar.cost.accounting import layer_calls
@@ -241,12 +242,14 @@ def test_collective_counts_are_as_documented(layout, pad, fwd, bwd):
     tp, ep, etp = layout
     model = layer_calls(MoESpec(hidden=moe_ref.D, ffn=moe_ref.F, experts=4, topk=2, tokens=6, dtype="fp32"),
                         CostLayout(4, 4, tp=tp, ep=ep, etp=etp), get_hardware("h100"))
-    model_counts = [c.nbytes for c in model if c.name == "MoE counts"]
-    for f, b, nbytes, first_a2a in run_ranks(_count_collectives, 4, *layout, pad):
+    model_counts = [(c.op, c.group_size, c.nbytes) for c in model if c.name == "MoE counts"]
+    for f, b, nbytes, first in run_ranks(_count_collectives, 4, *layout, pad):
         assert f == fwd and b == bwd
         assert (nbytes > 0) == (layout[1] > 1)
-        if ep > 1:   # the counts exchange: the bytes the cost model prices for it
-            assert [first_a2a] == model_counts
+        if not pad:   # the counts exchange: the op, group and bytes the cost model prices for it
+            assert [first] == model_counts
+        else:         # padded capacity mode exchanges no counts
+            assert model_counts == [] or first[0] != "all_gather" or first[2] != model_counts[0][2]
 
 
 def _dedup_collectives():
@@ -291,18 +294,19 @@ def test_dedup_equals_one_row_per_route_in_other_dtypes(dtype, tol):
     # forms combine with fp32 weights and accumulation (unpermute's contract), in a different
     # order: float64 agrees to fp32 rounding.
     for calls, rel in run_ranks(_dedup_and_routes_in, 2, dtype):
-        assert calls == {"1": 4, "0": 3}     # the side message: dedup ran, then did not
+        assert calls == {"1": 3, "0": 2}     # the side message: dedup ran, then did not
         assert rel <= tol
 
 
 def test_dedup_collectives_and_bytes():
-    # Forced dedup: forward = counts, tokens, side message, tokens back; backward = the
-    # mirror of the three data all-to-alls. The side message carries 2K fp32 per token row.
+    # Forced dedup: forward = tokens, side message, tokens back (the counts travel in an
+    # all-gather before them); backward = the mirror of the three. The side message carries
+    # 2K fp32 per token row.
     D, K = moe_ref.D, 2
     for ev in run_ranks(_dedup_collectives, 4):
         fwd = [n for n, b in ev if not b]
-        assert len(fwd) == 4 and sum(b for _, b in ev) == 3
-        counts, tokens, side, back = fwd      # bytes each rank sends (back: the rows it received)
+        assert len(fwd) == 3 and sum(b for _, b in ev) == 3
+        tokens, side, back = fwd      # bytes each rank sends (back: the rows it received)
         assert tokens % (D * 4) == 0 and side == tokens // (D * 4) * (2 * K * 4)
         assert 6 <= tokens // (D * 4) <= 6 * K - 1  # each token once, fewer rows than routes
 
@@ -365,11 +369,11 @@ def test_bad_input_raises_on_every_rank():
         assert ("x's last dim is (6,) but the MoE layer has hidden=8" if rank == 1
                 else "MoE forward aborted: rank(s) [1] reported invalid input (see their error); this is rank 0") \
             in errors[4]
-        assert "the input dtypes ['torch.float32', 'torch.float64'] differ across the ranks" in errors[5]
+        assert "dtypes ['torch.float32', 'torch.float64'] of ranks [0, 1] differ" in errors[5]
         for e in errors[6:9:2]:
-            assert ("outside [0, num_experts=4)" if rank == 1 else "EP rank(s) [1] reported invalid input") in e
+            assert ("outside [0, num_experts=4)" if rank == 1 else "rank(s) [1] reported invalid input") in e
         assert ("weights_TK must be a floating-point tensor of expert_ids_TK's shape (2, 2), got torch.float32 "
-                "of shape (2, 3)" if rank == 1 else "EP rank(s) [1] reported invalid input") in errors[7]
+                "of shape (2, 3)" if rank == 1 else "rank(s) [1] reported invalid input") in errors[7]
 
 
 def _one_rank_bad_hidden(tp, ep, etp, sp):
@@ -385,11 +389,17 @@ def _one_rank_bad_hidden(tp, ep, etp, sp):
 
 @pytest.mark.parametrize("world,tp,ep,etp,sp", [(*lay, False) for lay in LAYOUTS] +
                          [(*lay, True) for lay in LAYOUTS if lay[1] > 1])
-def test_one_rank_with_a_wrong_hidden_size_raises_on_every_rank(world, tp, ep, etp, sp):
-    # Only global rank 0 passes a wrong hidden size. Its EP, ETP, TP (and SP) peers all wait
-    # in later collectives of the forward unless they learn of it first: every rank must
-    # raise, rank 0 with its own error, the others naming rank 0 (a hang fails by timeout).
+def test_one_rank_with_a_wrong_hidden_size_raises_on_every_rank_of_its_block(world, tp, ep, etp, sp):
+    # Only global rank 0 passes a wrong hidden size. Its EP, ETP, TP (and SP) peers, the
+    # ranks of its MoE block, all wait in later collectives of the forward unless they learn
+    # of it first: each must raise, rank 0 with its own error, the others naming rank 0 (a
+    # hang fails by timeout). The other blocks share no collective with it in this layer:
+    # they finish their forward (no barrier over the world).
+    block = Layout(world, tp, ep, etp).moe
     for rank, msg in enumerate(run_ranks(_one_rank_bad_hidden, world, tp, ep, etp, sp)):
+        if rank >= block:
+            assert msg is None, (rank, msg)
+            continue
         expected = (f"x's last dim is ({moe_ref.D + 1},) but the MoE layer has hidden={moe_ref.D}" if rank == 0
                     else f"MoE forward aborted: rank(s) [0] reported invalid input (see their error); this is rank {rank}")
         assert msg is not None and expected in msg, (rank, msg)

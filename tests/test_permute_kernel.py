@@ -194,11 +194,33 @@ def test_custom_ops_pass_opcheck():
     ids, dropped, w = make_routes(6, 4, 2, "drops")
     x = torch.randn(6, 8, requires_grad=True)
     for impl in ("triton", "reference"):
-        torch.library.opcheck(pk._permute_op, (x, ids, dropped, 4, None, impl))
-        torch.library.opcheck(pk._permute_op, (x, ids, dropped, 4, 12, impl))
+        kept = int((~dropped).sum())
+        torch.library.opcheck(pk._permute_op, (x, ids, dropped, 4, None, None, impl))
+        torch.library.opcheck(pk._permute_op, (x, ids, dropped, 4, None, kept, impl))
+        torch.library.opcheck(pk._permute_op, (x, ids, dropped, 4, 12, None, impl))
+        torch.library.opcheck(pk._permute_op, (x, ids, dropped, 4, 12, 48, impl))
         x_ND, _, rm = pk.permute(x.detach(), ids, dropped, 4, impl=impl)
         y = torch.randn(x_ND.shape[0], 8, requires_grad=True)
         torch.library.opcheck(pk._unpermute_op, (y, rm, w.clone().requires_grad_(True), 6, impl))
+
+
+@pytest.mark.parametrize("impl", ["triton", "reference"])
+@pytest.mark.parametrize("capacity", [None, 18])
+def test_a_known_row_count_gives_the_same_rows_without_a_host_read(impl, capacity):
+    # The dispatcher passes num_rows (it knows them from its counts exchange): the index
+    # computation then reads nothing back (tests/test_gpu_discipline.py counts it on fake
+    # CUDA); here the results must equal the counted path's, drops and capacity included.
+    ids, dropped, _ = make_routes(9, 4, 2, "drops")
+    x = torch.randn(9, 8)
+    n = int((~dropped).sum()) if capacity is None else 4 * capacity
+    a = permute(x, ids, dropped, 4, capacity=capacity, impl=impl)
+    b = permute(x, ids, dropped, 4, capacity=capacity, num_rows=n, impl=impl)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+    with pytest.raises(ValueError, match="num_rows=7 but capacity=5 gives"):
+        permute(x, ids, dropped, 4, capacity=5, num_rows=7)
+    with pytest.raises(ValueError, match="num_rows=19 is more than the 18 routes"):
+        permute(x, ids, None, 4, num_rows=19)
 
 
 def test_bad_inputs_raise_clear_errors():

@@ -8,7 +8,7 @@ For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp 
 
 * **dispatch + combine**: the real ``Dispatcher`` forward and backward with identity experts,
   as the MoE layer calls it (``source_major=True``: its experts take the rows source-major)
-  (permute, the counts all-to-all, the token all-to-all S*D*b — on gloo one call whose rows
+  (permute, the counts all-gather, the token all-to-all S*D*b — on gloo one call whose rows
   stay source-major (``--source-major off``: a local regroup); with NCCL one call and a
   local regroup; with dedup (``--dedup``, see the dispatcher) one row per
   token and destination rank plus a small side all-to-all; column "a2a" — the
@@ -59,7 +59,7 @@ from moepar.bench.common import grad_step, keep_freed_memory
 from moepar.bench.layer import parse_config, skew_input_shift, zipf_input_shift
 from moepar.bench.local import machine, random_routes
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status
-from moepar.moe.dispatcher import dedup_expand, dedup_send
+from moepar.moe.dedup import dedup_expand, dedup_send
 from moepar.moe.layer import MoE
 from moepar.parallel import destroy_parallel, groups
 from moepar_kernels.permute import permute, unpermute
@@ -88,7 +88,8 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
     cfg = parse_config(cfg_name)
     T, D, E, K = cfg.T, cfg.D, cfg.E, cfg.K
     rank = dist.get_rank()
-    moe = MoE(D, E, ep, k=K, ffn_hidden=8, init_seed=1, state=state, dedup=dedup)   # only its dispatcher is used
+    moe = MoE(D, E, ep, k=K, ffn_hidden=8, init_seed=1, state=state, dedup=dedup,   # only its dispatcher is used
+              cpu_source_major=source_major)
     disp = moe.dispatcher
     ids, w = random_routes(T, E, K, "cpu", seed=100 + rank)
     gen = torch.Generator().manual_seed(rank)
@@ -97,7 +98,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
     g = torch.randn(T, D, generator=gen)
 
     def dispatch_combine():
-        x_local, meta = disp.dispatch(x, ids, None, w, None, source_major=source_major)
+        x_local, meta, _ = disp.dispatch(x, ids, None, w)
         y = disp.combine(x_local, meta)                  # identity experts
         return torch.autograd.grad(y, [x, w], g), y
 
@@ -106,8 +107,8 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
     ok = bool(torch.allclose(y, x * w.sum(1, keepdim=True), atol=1e-5)
               and torch.allclose(gx, g * w.sum(1, keepdim=True), atol=1e-5)
               and torch.allclose(gw, (g * x).sum(1, keepdim=True).expand_as(w), atol=1e-4))
-    _, meta = disp.dispatch(x.detach(), ids, None, w.detach(), None, source_major=source_major)
-    send, recv = list(meta.send_splits), list(meta.recv_splits)
+    _, meta, _ = disp.dispatch(x.detach(), ids, None, w.detach())
+    send, recv = list(meta.send), list(meta.recv)
     group = state.ep_group
     L = E // ep
     # The splits of one row per route (what a route-replicating dispatch sends; with dedup
@@ -169,7 +170,6 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
             # measured here (torch.sum over the K axis of [T, K, D] took 2-4x as long).
             F.embedding_bag(bags, fl_back, mode="sum")
 
-    zeros_E = torch.zeros(E, dtype=torch.int64)
     w3 = w.detach().float().view(T, K, 1)
     w_TK = w3.view(T, K)
     dw = torch.empty(T, K)
@@ -179,7 +179,7 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
         """The floor plus what every MoE dispatch + combine also does: the counts exchange,
         the weighted sum, the gradient rows scaled by the weights, and the weights' gradient
         <g_t, y_tk> (one more read of the returned rows)."""
-        disp.counts_all_to_all(zeros_E, D, x.dtype, None, None)
+        disp.exchange_empty_counts(xd)
         fl_send.view(T, K, D).copy_(xd[:, None, :].expand(T, K, D))
         there_and_back()
         F.embedding_bag(bags, fl_back, mode="sum", per_sample_weights=w_TK)
@@ -191,10 +191,10 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
         F.embedding_bag(bags, fl_back, mode="sum")
 
     fns = {"dispatch+combine": lambda: dispatch_combine(), "raw all_to_all_single": raw,
-           "passes": passes if meta.dedup is None else passes_dedup,
-           "counts": lambda: disp.counts_all_to_all(zeros_E, D, x.dtype, None, None), "floor": floor,
+           "passes": passes if meta.form != "dedup" else passes_dedup,
+           "counts": lambda: disp.exchange_empty_counts(xd), "floor": floor,
            "floor, MoE": floor_moe}
-    if meta.dedup is not None:   # also the raw calls of one row per route, the bytes without dedup
+    if meta.form == "dedup":   # also the raw calls of one row per route, the bytes without dedup
         fns["raw, one row per route"] = raw_calls(send_r, recv_r)
     floor()                       # the round trip brings back exactly the rows sent
     ok = ok and torch.equal(fl_back[:so], fl_send[:so])
@@ -210,9 +210,8 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
             "passes_ms": secs["passes"], "counts_ms": secs["counts"],
             "floor_ms": secs["floor"], "floor_ratio": secs["floor"] / raw_routes_ms,
             "floor_moe_ms": secs["floor, MoE"], "floor_moe_ratio": secs["floor, MoE"] / raw_routes_ms,
-            "a2a": "one + regroup" if meta.regroup is not None
-            else "one, source-major" if meta.segment_experts is not None
-            else "one, dedup" if meta.dedup is not None else "one"}
+            "a2a": {"regroup": "one + regroup", "source_major": "one, source-major",
+                    "dedup": "one, dedup"}.get(meta.form, "one")}
 
 
 def bench_layer_step(cfg_name: str, ep: int, state, rounds: int, warmup: int, tokens: int | None,

@@ -7,18 +7,18 @@ nccl-tests' size convention (all-gather: output, reduce-scatter: input, all-to-a
 buffer), as ``moepar.parallel.comm`` records them.
 
 Per MoE layer and micro-batch (what ``moepar.moe`` issues):
-  forward  [ep>1]  counts all-to-all: per peer the sender's E int64 counts (every rank then
-                   knows the group's whole matrix: the receive guard's quotas) + the
-                   metadata fields of moepar/moe/counts_message.py, ep·width(E)·8, EP group
+  forward  [block>1, dropless] counts all-gather over the MoE block (the TP, EP and ETP
+                   groups' closure, lcm(tp, ep·etp) ranks): one row per rank of its E int64
+                   counts, the metadata fields of moepar/moe/counts_message.py and its dedup
+                   rows per EP peer, block·width(E, ep)·8 gathered (every rank then knows its
+                   EP group's whole load, the ETP peers' rows and the TP peers' tokens)
            [ep>1]  dispatch all-to-all          R·D·b        EP  (dedup: R·f·D·b and a side
                    all-to-all R·f·2K·4, f = dedup_fraction; each way, backward too)
-           [etp>1] all-gather counts + rows     etp·E·8, etp·R·D·b  ETP
+           [etp>1] all-gather rows              etp·R·D·b    ETP
            [etp>1] reduce-scatter partial out   etp·R·D·b    ETP
            [ep>1]  combine all-to-all           R·D·b        EP
            [tp>1, no SP] all-gather outputs     T·D·b        TP
-           [world>1] preflight all-reduce of every rank's input verdict, world·3·8
-           shared experts [tp>1]: all-reduce T·D·b (SP: all-gather + reduce-scatter, and
-           an all-gather of the TP ranks' token counts tp·8 forward)
+           shared experts [tp>1]: all-reduce T·D·b (SP: all-gather + reduce-scatter)
            [SP, tp>1] aux-loss statistics all-reduce 3·E·4   TP
   backward the mirrors: 2 all-to-alls R·D·b; [etp>1] all-gather + reduce-scatter;
            [tp>1, no SP] all-gather of the input gradient T·D·b and of the routing-weight
@@ -149,13 +149,11 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
             add("attention SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b",
                 count=spec.qkv_linears if phase == "fwd" else 1)
             add("attention SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b", count=n_in)
-        if phase == "fwd" and layout.size("world") > 1:
-            # the layer's bad-input check before its first collective: every rank's
-            # (error flag, hidden, dtype) as a [world, 3] int64 table (moepar/moe/layer.py)
-            add("MoE preflight", "all_reduce", "world", phase, layout.size("world") * 3 * INT64, "world·3·8")
-        if ep > 1 and phase == "fwd":
-            add("MoE counts", "all_to_all", "ep", phase, counts_message.message_bytes(E, ep),
-                f"ep·(E+{len(counts_message.FIELDS)})·8")
+        block = layout.size("moe")
+        if phase == "fwd" and block > 1 and not spec.pad_to_capacity:
+            # the counts exchange (padded capacity mode needs none: its splits are known)
+            add("MoE counts", "all_gather", "moe", phase, counts_message.message_bytes(E, ep, block),
+                f"block·(E+{len(counts_message.FIELDS)}+ep)·8")
         if ep > 1:
             add("MoE dispatch" if phase == "fwd" else "MoE combine grad", "all_to_all", "ep", phase,
                 rows_in, in_formula)
@@ -163,8 +161,6 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                 add("MoE dedup side" if phase == "fwd" else "MoE dedup side grad", "all_to_all", "ep", phase,
                     R * f * 2 * K * FP32, f"R·{f:.3g}·2K·4")
         if etp > 1:
-            if phase == "fwd":
-                add("expert-TP counts", "all_gather", "etp", phase, etp * E * INT64, "etp·E·8")
             add("expert-TP gather rows", "all_gather", "etp", phase, etp * rows_in, "etp·" + in_formula)
             add("expert-TP reduce-scatter", "reduce_scatter", "etp", phase, etp * rows_out, "etp·" + out_formula)
         if ep > 1:
@@ -177,8 +173,6 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                 add("routing-weight grad gather", "all_gather", "tp", phase, T * K * FP32, "T·K·4")
         if spec.shared_experts and tp > 1:
             if sp:
-                if phase == "fwd":   # the TP ranks' token counts (their slices may differ)
-                    add("shared experts SP token counts", "all_gather", "tp", phase, tp * INT64, "tp·8")
                 add("shared experts SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
                 add("shared experts SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
             else:

@@ -211,7 +211,7 @@ class CostLayout:
 
     def size(self, kind: str) -> int:
         return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "etp": self.etp, "edp": self.edp,
-                "world": self.gpus}[kind]
+                "moe": Layout(self.gpus, self.tp, self.ep, self.etp).moe, "world": self.gpus}[kind]
 
     def placement(self, kind: str) -> Placement:
         """Where the first group of this kind sits (``moepar.parallel.groups`` rank order)."""

@@ -1,10 +1,11 @@
 """Validation rows for the real MoE layer's dispatch (``python -m moepar validate``).
 
-Each row times ``Dispatcher.dispatch`` + ``combine`` (forward: the counts all-to-all, the
+Each row times ``Dispatcher.dispatch`` + ``combine`` (forward: the counts all-gather, the
 token all-to-all and the one back, plus the local permute/regroup/unpermute they need) on
 an EP group of n ranks with uniform random top-k routing, and compares it with what the
-cost model prices for the same layer: the counts all-to-all (ep·(E+9)·8 bytes) and two
-token all-to-alls of R·D·b, plus the dispatcher's local passes over the R = T·K rows
+cost model prices for the same layer: the counts all-gather
+(``counts_message.message_bytes``) and two token all-to-alls of R·D·b, plus the
+dispatcher's local passes over the R = T·K rows
 (the permute before and the weighted unpermute after), priced with the memory-bandwidth
 line ``calibrate`` fits to exactly those passes (``row_pass_seconds``; profiles without
 it price communication only). Rows carry op "moe_dispatch" to keep their error apart from
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..moe.counts_message import message_bytes
 from ..moe.dispatcher import Dispatcher
 from .calibrate import row_pass_seconds
 from .validate import Row, ValidationContext, register_row_source
@@ -42,7 +44,7 @@ def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
 
             def fn(disp=disp, x=x, ids=ids, w=w):
                 with torch.no_grad():
-                    x_local, meta = disp.dispatch(x, ids, None, w)
+                    x_local, meta, _ = disp.dispatch(x, ids, None, w)
                     return disp.combine(x_local, meta)
             fns.append(fn)
             cases.append((n, T, D, E))
@@ -51,9 +53,9 @@ def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
     rows = []
     elem = ctx.bufs.elem
     for (n, T, D, E), m in zip(cases, measured):
-        counts_bytes = n * (E // n + 9) * 8
+        counts_bytes = message_bytes(E, n, n)
         token_bytes = T * TOPK * D * elem
-        pred = (ctx.predict("all_to_all", n, counts_bytes)[0] + 2 * ctx.predict("all_to_all", n, token_bytes)[0]
+        pred = (ctx.predict("all_gather", n, counts_bytes)[0] + 2 * ctx.predict("all_to_all", n, token_bytes)[0]
                 + row_pass_seconds(ctx.hardware, token_bytes))
         rows.append(Row("moe-dispatch", f"n={n} T={T} D={D} K={TOPK} E={E}", "moe_dispatch", n,
                         token_bytes, pred, m, drift=ctx.drift))

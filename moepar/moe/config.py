@@ -61,11 +61,14 @@ class MoEConfig:
         dedup: "off" | "auto" | "on": one token row per destination EP rank instead of one
         per route (``moepar.moe.dedup``); "auto" uses it when the EP group's rows are at
         most ``DEDUP_MAX_FRACTION`` of its routes (measured there).
-        cpu_source_major: on gloo with CPU tensors, leave the received token rows
-        source-major instead of regrouping them by expert (``moepar.moe.cpu``); the EP
-        group uses it only if every rank allows it. No effect on CUDA.
-        check_finite: refuse non-finite inputs on every rank (one all-reduce of a flag over
-        the world per forward, and a host read of the input's finiteness).
+        cpu_source_major: opt-in, for CPU training over gloo: leave the received token rows
+        source-major instead of regrouping them by expert (``moepar.moe.cpu``; the EP group
+        uses it only if every rank allows it). No effect on CUDA tensors.
+        check_finite: refuse non-finite inputs: every rank of the layer's block raises (the
+        count of non-finite values travels in the counts exchange; a layer with no exchange,
+        one rank or padded capacity mode, reads it back on its own: one host read).
+        overlap_shared_experts: compute the shared experts while the dispatch all-to-all is in
+        flight (False: after the combine; the same numbers either way).
     Load imbalance:
         receive_capacity_factor: None (no guard) or a finite f >= 1: no EP rank processes
         more than cap = ceil(f x mean) received rows, mean = the EP group's routes / ep. An
@@ -114,8 +117,9 @@ class MoEConfig:
     init_seed: Optional[int] = None
     init_std: Optional[float] = None
     dedup: str = "auto"
-    cpu_source_major: bool = True
+    cpu_source_major: bool = False
     check_finite: bool = False
+    overlap_shared_experts: bool = True
     # Load imbalance (issue 19, part 3).
     receive_capacity_factor: Optional[float] = None
     # Hugging Face families' options (issue 18; docstring above)
@@ -142,7 +146,7 @@ class MoEConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
         for name in ("bias", "sequence_parallel", "checkpoint_experts", "cpu_source_major", "check_finite",
-                     "shared_expert_gate", "router_bias", "score_before_experts"):
+                     "overlap_shared_experts", "shared_expert_gate", "router_bias", "score_before_experts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
         self._check_hf_options()

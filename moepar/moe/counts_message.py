@@ -1,13 +1,21 @@
 """The layout of the dispatcher's counts message (torch-free, so the cost model can read it).
 
-Before any token moves, every EP rank sends each EP peer one int64 row: the number of
-routes it sends to each of the E global experts (the same E counts to every peer, so that
-after the one all-to-all every rank holds the group's whole [P, E] load matrix: the
-overload figures of ``moe.stats`` and the receive guard's quotas need it, and every rank
-computes them alike, with no second collective), then the metadata ``FIELDS`` that the
-group checks and agrees on (so that a bad input on one rank raises on all of them, and
-every rank picks the same exchange form). One all-to-all of ``ep`` rows of ``width(E)``
-int64 each per rank: ``message_bytes`` is what the cost model prices.
+Before any token moves, every rank of the MoE block (the ranks one MoE layer's collectives
+span: its TP, EP and ETP groups, ``moepar.parallel.groups``) contributes one int64 row and
+the block all-gathers them: the row holds the number of routes the rank sends to each of
+the E global experts, then the metadata ``FIELDS``, then, with dedup, the rows it sends to
+each of its P EP peers. After the one all-gather every rank holds every row of its block,
+so with no further collective it knows
+
+* its EP group's whole [P, E] load (the overload figures of ``moe.stats`` and the receive
+  guard's quotas, computed alike on every rank) and so the all-to-all's split sizes;
+* what each expert-TP peer receives (the ETP all-gather's sizes) and each TP peer's token
+  count (sequence parallelism);
+* whether any rank of the block has a bad input: every rank then raises, nobody waits.
+
+This row is also what the forward reads back to the host, once (``device.read_to_host``):
+one all-gather of ``block`` rows of ``width(E, P)`` int64, ``message_bytes`` in nccl-tests'
+all-gather size convention (the gathered bytes), which the cost model prices.
 """
 from __future__ import annotations
 
@@ -15,21 +23,25 @@ INT64_BYTES = 8
 
 # Metadata columns after the E counts, in order.
 FIELDS = (
-    "hidden",              # the sender's hidden size (must agree)
-    "dtype",               # the sender's activation dtype, as a small code (must agree)
-    "error",               # 1 if the sender's input is invalid: everyone raises
-    "capacity",            # the sender's per-expert capacity (padded mode), 0 dropless
-    "routes",              # routes the sender dispatches in all
-    "dedup_mode",          # the sender's dedup vote: 0 off, 1 auto, 2 on
-    "dedup_rows",          # the sender's rows in all with dedup
-    "forms",               # exchange forms the sender allows (bit flags)
-    "dedup_rows_to_peer",  # the sender's rows with dedup for this recipient
+    "hidden",            # the sender's hidden size (must agree)
+    "dtype",             # the sender's dispatch dtype, as a small code (must agree)
+    "error",             # 1 if the sender found its input invalid on the host: everyone raises
+    "nonfinite_input",   # non-finite input values (check_finite): everyone raises
+    "nonfinite_logits",  # tokens with non-finite router logits (router nonfinite="raise")
+    "bad_ids",           # routes with an expert id outside [0, E)
+    "routes",            # kept routes the sender dispatches in all
+    "tokens",            # the sender's tokens (its slice under sequence parallelism)
+    "dedup_mode",        # the sender's dedup vote: 0 off, 1 auto, 2 on
+    "dedup_rows",        # the sender's rows in all with dedup
+    "forms",             # exchange forms the sender allows (bit flags)
 )
+# Device-valued fields: each a count the sender computed on its device (never read alone).
+DEVICE_FIELDS = ("nonfinite_input", "nonfinite_logits", "bad_ids", "routes", "dedup_rows")
 
 
-def width(num_experts: int) -> int:
-    """int64 columns of one row: the E counts and the metadata."""
-    return num_experts + len(FIELDS)
+def width(num_experts: int, ep: int) -> int:
+    """int64 columns of one row: E counts, the metadata, P dedup rows (one per EP peer)."""
+    return num_experts + len(FIELDS) + ep
 
 
 def column(name: str, num_experts: int) -> int:
@@ -37,6 +49,12 @@ def column(name: str, num_experts: int) -> int:
     return num_experts + FIELDS.index(name)
 
 
-def message_bytes(num_experts: int, ep: int) -> int:
-    """Bytes one rank sends in the counts all-to-all: ep rows of width(E) int64."""
-    return ep * width(num_experts) * INT64_BYTES
+def dedup_columns(num_experts: int, ep: int) -> slice:
+    """The P columns of rows sent to each EP peer with dedup."""
+    start = num_experts + len(FIELDS)
+    return slice(start, start + ep)
+
+
+def message_bytes(num_experts: int, ep: int, block: int) -> int:
+    """Bytes of the counts all-gather over a block of ``block`` ranks (the gathered rows)."""
+    return block * width(num_experts, ep) * INT64_BYTES

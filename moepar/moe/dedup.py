@@ -21,8 +21,8 @@ DEDUP_MAX_FRACTION = 0.3
 
 def dedup_rows(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: int, P: int) -> torch.Tensor:
     """Rows per EP rank with dedup: the tokens with at least one kept route to the rank
-    ([P] int64 on the host; a [T, P] mask, cheap next to the rows). Out-of-range ids (the
-    counts exchange raises on them) count nowhere."""
+    ([P] int64 on the ids' device; a [T, P] mask, cheap next to the rows). Out-of-range ids
+    (the counts exchange raises on them) count nowhere."""
     T = expert_ids_TK.shape[0]
     ids = expert_ids_TK.long()
     kept = (ids >= 0) & (ids < L * P)
@@ -30,7 +30,7 @@ def dedup_rows(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: 
         kept &= ~dropped_TK
     hit = torch.zeros(T, P + 1, dtype=torch.bool, device=ids.device)
     hit.scatter_(1, torch.where(kept, torch.div(ids, L, rounding_mode="floor"), P), True)
-    return hit[:, :P].sum(0).cpu()
+    return hit[:, :P].sum(0)
 
 
 def _dedup_plan(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: int, P: int):
@@ -49,15 +49,16 @@ def _dedup_plan(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L:
     return dest, drop
 
 
-def dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L: int, P: int):
+def dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L: int, P: int, num_rows: int | None = None):
     """The sender's half of the dedup dispatch: (x_SD, row_map_TK, side_S). x_SD holds one
     row per (token, destination rank), rank-major; row_map_TK maps each route to its row (-1
     for the routes that share an earlier route's row, or are dropped). side_S [S, 2K] fp32:
     for the row of (token t, rank p), slot j holds route j's weight and local expert id where
-    route j also goes to rank p, else 0 and -1 (differentiable w.r.t. the weights)."""
+    route j also goes to rank p, else 0 and -1 (differentiable w.r.t. the weights).
+    ``num_rows``: S when known (from the counts exchange): no host read."""
     dest_TK, drop_TK = _dedup_plan(expert_ids_TK, dropped_TK, L, P)
     K = dest_TK.shape[1]
-    x_SD, _, row_map_TK = permute(x_TD, dest_TK, drop_TK, P)
+    x_SD, _, row_map_TK = permute(x_TD, dest_TK, drop_TK, P, num_rows=num_rows)
     route_S = inverse_row_map(row_map_TK, x_SD.shape[0])    # each row's (first) route t*K + k
     tok_S = torch.div(route_S, K, rounding_mode="floor")
     mine_SK = dest_TK.index_select(0, tok_S) == dest_TK.reshape(-1).index_select(0, route_S)[:, None]
@@ -68,13 +69,14 @@ def dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L: int, P: int):
     return x_SD, row_map_TK, torch.cat([w_SK.float(), ids_SK.float()], 1)
 
 
-def dedup_expand(x_RD: torch.Tensor, side_RK2: torch.Tensor, L: int):
+def dedup_expand(x_RD: torch.Tensor, side_RK2: torch.Tensor, L: int, num_rows: int | None = None):
     """The receiver's half: the received rows expanded into the local experts' rows,
     expert-major (x_local, row_map_RK, weights_RK); ``combine`` sums each received row's
-    expert outputs with unpermute(y, row_map_RK, weights_RK)."""
+    expert outputs with unpermute(y, row_map_RK, weights_RK). ``num_rows``: the local
+    experts' rows when known (from the counts exchange): no host read."""
     K = side_RK2.shape[1] // 2
     ids_RK = side_RK2[:, K:].detach().long()
-    x_local, _, row_map_RK = permute(x_RD, ids_RK.clamp(min=0), ids_RK < 0, L)
+    x_local, _, row_map_RK = permute(x_RD, ids_RK.clamp(min=0), ids_RK < 0, L, num_rows=num_rows)
     return x_local, row_map_RK, side_RK2[:, :K]
 
 

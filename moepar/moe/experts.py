@@ -167,14 +167,31 @@ class GroupedExperts(nn.Module):
                 p[e].copy_(t)
 
     def _counts(self, tokens_per_expert, x_ND: torch.Tensor, num_blocks: int | None = None) -> list[int]:
+        """The counts as a host list (a host read if they live on an accelerator)."""
         if isinstance(tokens_per_expert, torch.Tensor):
             if tokens_per_expert.dim() != 1 or tokens_per_expert.is_floating_point():
                 raise ValueError(f"tokens_per_expert must be a 1-D integer tensor, got "
                                  f"{tokens_per_expert.dtype} of shape {tuple(tokens_per_expert.shape)}")
-            counts = tokens_per_expert.tolist()   # a host sync if it lives on the GPU
+            counts = tokens_per_expert.tolist()
         else:
             counts = [int(c) for c in tokens_per_expert]
         return check_counts(counts, self.num_local_experts if num_blocks is None else num_blocks, x_ND.shape[0])
+
+    def _both_counts(self, tokens_per_expert, host_counts, x_ND: torch.Tensor):
+        """(host list or None, device tensor or None): the host list where it is known or
+        free (given, a list, or a CPU tensor), else None; the device counts where given."""
+        if host_counts is not None:
+            host = check_counts(list(host_counts), self.num_local_experts, x_ND.shape[0])
+        elif not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.device.type == "cpu":
+            host = self._counts(tokens_per_expert, x_ND)
+        elif x_ND.shape[0] == 0:
+            host = [0] * self.num_local_experts
+        else:
+            host = None
+        dev = None
+        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device == x_ND.device:
+            dev = tokens_per_expert
+        return host, dev
 
     def _check_input(self, x_ND: torch.Tensor) -> None:
         if not isinstance(x_ND, torch.Tensor) or x_ND.dim() != 2:
@@ -187,15 +204,19 @@ class GroupedExperts(nn.Module):
         if x_ND.device != self.w1.device:
             raise ValueError(f"x_ND is on {x_ND.device} but the expert weights are on {self.w1.device}")
 
-    def resolve_gemm_path(self, x_ND: torch.Tensor, counts: Sequence[int]) -> str:
+    def resolve_gemm_path(self, x_ND: torch.Tensor, counts: Sequence[int] | None) -> str:
         """The GEMM path ``forward`` uses for these rows (``gemm_path`` unless "auto")."""
-        return resolve_gemm_path(self.gemm_path, x_ND.device, x_ND.dtype, counts, self.hidden, self.ffn_local)
+        return resolve_gemm_path(self.gemm_path, x_ND.device, x_ND.dtype, counts, self.hidden, self.ffn_local,
+                                 x_ND.shape[0])
 
-    def forward(self, x_ND: torch.Tensor, tokens_per_expert, segment_experts: Sequence[int] | None = None
-                ) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor, tokens_per_expert, segment_experts: Sequence[int] | None = None, *,
+                host_counts: Sequence[int] | None = None) -> torch.Tensor:
         """``y_ND [N, D]``: row block e (``tokens_per_expert[e]`` rows, expert-major) through
-        local expert e. ``tokens_per_expert``: [E] int64 tensor (best on the CPU) or a list.
-        With ``etp_size > 1`` the result is this rank's partial sum and excludes b2.
+        local expert e. ``tokens_per_expert``: [E] int64 tensor on x's device, or a list;
+        ``host_counts``: the same on the host when the caller knows them. On an accelerator
+        with device counts only, the grouped-GEMM path reads nothing back to the host (the
+        other paths read the counts once). With ``etp_size > 1`` the result is this rank's
+        partial sum and excludes b2.
 
         ``segment_experts`` (optional): the rows are blocks in any order, block i
         (``tokens_per_expert[i]`` rows) going through local expert ``segment_experts[i]``
@@ -211,33 +232,38 @@ class GroupedExperts(nn.Module):
             x_ND = x_ND.to(dt)
             params = tuple(None if p is None else p.to(dt) for p in params)
             with torch.autocast(dev, enabled=False):
-                return self._run(x_ND, tokens_per_expert, params, segment_experts)
+                return self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts)
         self._check_input(x_ND)
-        return self._run(x_ND, tokens_per_expert, params, segment_experts)
+        return self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts)
 
-    def _run(self, x_ND, tokens_per_expert, params, segment_experts=None) -> torch.Tensor:
+    def _run(self, x_ND, tokens_per_expert, params, segment_experts=None, host_counts=None) -> torch.Tensor:
         if segment_experts is not None:
             seg = [int(e) for e in segment_experts]
             if any(not 0 <= e < self.num_local_experts for e in seg):
                 raise ValueError(f"segment_experts={seg} must lie in [0, num_local_experts={self.num_local_experts})")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
-            return ExpertsFunction.apply(x_ND, *params, counts, "loop", self._act, seg)
+            return ExpertsFunction.apply(x_ND, *params, counts, None, "loop", self._act, seg)
         # The custom op takes activation names only: clamped_swiglu (its constants) stays eager.
         if (torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor)
                 and not isinstance(self._act, ClampedSwiGLU)):
             # Traced: the counts' host read happens inside a custom op (no graph break).
             return experts_fwd(x_ND, *params, tokens_per_expert, self.gemm_path, self.activation)
-        counts = self._counts(tokens_per_expert, x_ND)
+        counts, counts_dev = self._both_counts(tokens_per_expert, host_counts, x_ND)
         path = self.resolve_gemm_path(x_ND, counts)
-        return ExpertsFunction.apply(x_ND, *params, counts, path, self._act, None)
+        if counts is None and path != "grouped_mm":   # the other paths size their GEMMs on the host
+            counts = self._counts(tokens_per_expert, x_ND)
+        return ExpertsFunction.apply(x_ND, *params, counts, counts_dev, path, self._act, None)
 
     def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
         """``y_ND`` plus b2 on each expert's row block (a no-op without bias). For the
-        etp > 1 caller, after it has reduced the partial sums."""
+        etp > 1 caller, after it has reduced the partial sums. ``tokens_per_expert``: a tensor
+        on y's device (nothing read to the host) or a list."""
         if self.b2 is None:
             return y_ND
-        counts = self._counts(tokens_per_expert, y_ND)
-        reps = torch.tensor(counts, dtype=torch.int64, device=y_ND.device)
+        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device == y_ND.device:
+            reps = tokens_per_expert
+        else:
+            reps = torch.tensor(self._counts(tokens_per_expert, y_ND), dtype=torch.int64, device=y_ND.device)
         return y_ND + torch.repeat_interleave(self.b2, reps, dim=0, output_size=y_ND.shape[0])
 
     def extra_repr(self) -> str:

@@ -11,6 +11,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from ..parallel.device import to_device
+
 
 GEMM_PATHS = ("auto", "grouped_mm", "loop", "bmm")
 
@@ -96,27 +98,43 @@ def _into(r: torch.Tensor, out, acc: bool = False) -> torch.Tensor:
 
 
 class _GroupedMMGemm(LoopGemm):
-    """torch.nn.functional.grouped_mm with int32 end offsets; bias adds and bias grads
-    stay per-expert slices (E small elementwise ops). grouped_mm has no ``out=``: on the
-    CPU, where its kernel is itself a loop of mm, a result that lands in a slice of a
+    """torch.nn.functional.grouped_mm with int32 end offsets computed on the device from the
+    device counts (no host list, no copy from the host). Off the CPU the bias adds and bias
+    gradients are one gather / index_add each over a row->expert index built on the device;
+    the GEMMs' results are the caller's buffers (grouped_mm has no ``out=``). On the CPU,
+    where grouped_mm's kernel is itself a loop of mm, a result that lands in a slice of a
     caller's buffer is computed by the loop's mm(out=) instead of grouped_mm + a copy."""
 
-    def __init__(self, counts: Sequence[int], device: torch.device):
-        super().__init__(counts)
-        ends, acc = [], 0
-        for c in counts:
-            acc += c
-            ends.append(acc)
-        self.offs = torch.tensor(ends, dtype=torch.int32, device=device)
+    def __init__(self, counts: Sequence[int] | None, device: torch.device, counts_dev: torch.Tensor | None = None,
+                 rows: int | None = None):
+        if counts is not None:
+            super().__init__(counts)
+        else:   # rows per expert known on the device only (an accelerator)
+            self.E, self.N, self.segs, self.accumulate, self.empty = counts_dev.numel(), rows, None, False, []
+        if counts_dev is None:
+            counts_dev = to_device(torch.tensor(list(counts), dtype=torch.int64), device)
+        self.counts_dev = counts_dev.to(device=device, dtype=torch.int64)
+        self.offs = torch.cumsum(self.counts_dev, 0).to(torch.int32)
+        self._expert_of_row = None
+
+    def _row_experts(self) -> torch.Tensor:
+        if self._expert_of_row is None:
+            E = self.counts_dev.numel()
+            self._expert_of_row = torch.repeat_interleave(torch.arange(E, device=self.counts_dev.device),
+                                                          self.counts_dev, output_size=self.N)
+        return self._expert_of_row
 
     def fwd(self, x, w, b=None, out=None):
         if out is not None and out.device.type == "cpu":
             return super().fwd(x, w, b, out)
-        out = _into(F.grouped_mm(_aligned(x), w, offs=self.offs), out)
+        r = F.grouped_mm(_aligned(x), w, offs=self.offs)
         if b is not None:
-            for e, s, c in self.segs:
-                out[s:s + c].add_(b[e])
-        return out
+            if self.segs is not None and r.device.type == "cpu":
+                for e, s, c in self.segs:
+                    r[s:s + c].add_(b[e])
+            else:
+                r.add_(b.index_select(0, self._row_experts()))
+        return _into(r, out)
 
     def dgrad(self, g, w, out=None, acc=False):
         if out is not None and out.device.type == "cpu":
@@ -127,6 +145,12 @@ class _GroupedMMGemm(LoopGemm):
         if out is not None and out.device.type == "cpu":
             return super().wgrad(x, g, out)
         return _into(F.grouped_mm(_aligned(x).t(), _aligned(g), offs=self.offs), out)
+
+    def bias_grad(self, g, out=None):
+        if self.segs is not None and g.device.type == "cpu":
+            return super().bias_grad(g, out)
+        r = g.new_zeros(self.counts_dev.numel(), g.shape[1]).index_add_(0, self._row_experts(), g)
+        return _into(r, out)
 
 
 class _BmmGemm:
@@ -179,11 +203,14 @@ class _BmmGemm:
         return _into(self._3d(g).sum(1), out)
 
 
-def make_gemm(path: str, counts: Sequence[int], device: torch.device):
+def make_gemm(path: str, counts: Sequence[int] | None, device: torch.device, counts_dev: torch.Tensor | None = None,
+              rows: int | None = None):
+    """The GEMM object of ``path`` for these row counts: host ``counts`` (None on an
+    accelerator when only ``counts_dev`` is known: grouped_mm only) and ``rows`` in all."""
+    if path == "grouped_mm":
+        return _GroupedMMGemm(counts, device, counts_dev, rows)
     if path == "loop" or sum(counts) == 0:   # no rows: every path gives zeros, the loop cheapest
         return LoopGemm(counts)
-    if path == "grouped_mm":
-        return _GroupedMMGemm(counts, device)
     if path == "bmm":
         return _BmmGemm(counts, device)
     raise ValueError(f"gemm path {path!r} must be one of {GEMM_PATHS[1:]}")
@@ -220,19 +247,21 @@ _BMM_MAX_PAD = 2.0       # largest block / mean block: the padding bmm computes 
 _GROUPED_MM_MIN_EXPERTS = 32
 
 
-def choose_gemm_path(device: torch.device, dtype: torch.dtype, counts: Sequence[int], D: int, Fl: int) -> str:
-    """The "auto" choice for these rows (deterministic: a function of the counts and shapes).
+def choose_gemm_path(device: torch.device, dtype: torch.dtype, counts: Sequence[int] | None, D: int, Fl: int,
+                     rows: int | None = None) -> str:
+    """The "auto" choice for these rows (deterministic: a function of the counts and shapes;
+    off the CPU of the shapes alone, so that the counts need not be read to the host).
 
     CPU: "bmm" when the blocks are equal (capacity mode) or small (mean <= 128 rows and
     max/mean <= 2), else "grouped_mm" for 32 experts or more (when the rows allow it),
     else "loop". CUDA: "grouped_mm" for bf16 on sm >= 90 with aligned
     rows, else "loop" (not measured here: no GPU on the development machines)."""
+    if device.type == "cuda":
+        ok, _ = path_supported("grouped_mm", device, dtype, D, Fl)
+        return "grouped_mm" if ok and rows != 0 else "loop"
     N, E = sum(counts), len(counts)
     if N == 0:
         return "loop"
-    if device.type == "cuda":
-        ok, _ = path_supported("grouped_mm", device, dtype, D, Fl)
-        return "grouped_mm" if ok else "loop"
     biggest, mean = max(counts), N / E
     if biggest * E == N or (mean <= _BMM_MAX_MEAN_ROWS and biggest <= _BMM_MAX_PAD * mean):
         return "bmm"
@@ -241,11 +270,11 @@ def choose_gemm_path(device: torch.device, dtype: torch.dtype, counts: Sequence[
     return "loop"
 
 
-def resolve_gemm_path(path: str, device: torch.device, dtype: torch.dtype, counts: Sequence[int],
-                      D: int, Fl: int) -> str:
+def resolve_gemm_path(path: str, device: torch.device, dtype: torch.dtype, counts: Sequence[int] | None,
+                      D: int, Fl: int, rows: int | None = None) -> str:
     """The path to run: ``choose_gemm_path`` for "auto", else ``path`` if available here."""
     if path == "auto":
-        return choose_gemm_path(device, dtype, counts, D, Fl)
+        return choose_gemm_path(device, dtype, counts, D, Fl, rows)
     ok, why = path_supported(path, device, dtype, D, Fl)
     if not ok:
         raise ValueError(f"gemm_path={path!r} is not available here: {why}")

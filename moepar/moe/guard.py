@@ -26,6 +26,8 @@ from fractions import Fraction
 
 import torch
 
+from ..parallel.device import to_device
+
 
 def check_receive_capacity_factor(value) -> None:
     """ValueError unless ``value`` is None or a finite number >= 1."""
@@ -80,10 +82,11 @@ def guard_drops(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, dropped_T
     order_N = torch.sort(w_N, descending=True, stable=True).indices
     by_expert = torch.sort(ids_N[order_N], stable=True)
     route_N = order_N[by_expert.indices]
-    counts = torch.bincount(ids_N, minlength=E + 1)
+    # scatter_add, not bincount (which reads its input's max back to the host on CUDA)
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=device).scatter_add_(0, ids_N, torch.ones_like(ids_N))
     start = torch.cumsum(counts, 0) - counts
     rank_N = torch.arange(N, device=device) - start[by_expert.values]
-    quota = torch.cat([quota_E.to(device, torch.int64), torch.tensor([N], device=device)])
+    quota = torch.cat([to_device(quota_E.to(torch.int64), device), counts.new_full((1,), N)])
     drop_N = torch.empty(N, dtype=torch.bool, device=device).scatter_(
         0, route_N, rank_N >= quota[by_expert.values])
     return (drop_N & kept_N).view(K, T).t()

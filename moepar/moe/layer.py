@@ -28,7 +28,7 @@ from ..parallel import comm
 from ..parallel.groups import ParallelState, get_parallel_state
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import MoEConfig, make_config
-from .dispatcher import Dispatcher, dtype_code, dtype_name
+from .dispatcher import Dispatcher
 from .experts import GroupedExperts
 from .guard import GroupLoad
 from .layer_options import SharedExpertGate, routes_as_rows, sum_routes
@@ -160,7 +160,8 @@ class MoE(nn.Module):
         self._stats = MoEStats()
         self.dispatcher = Dispatcher(num_experts, state=state, sequence_parallel=cfg.sequence_parallel,
                                      stats=self._stats.comm, dedup=cfg.dedup,
-                                     receive_capacity_factor=cfg.receive_capacity_factor)
+                                     receive_capacity_factor=cfg.receive_capacity_factor,
+                                     source_major=cfg.cpu_source_major, padded=cfg.router.pad_to_capacity)
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
 
@@ -182,82 +183,81 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., hidden] -> [..., hidden]``; the steps, each named in docs/moe.md."""
         self._stats.comm.reset()
-        self._preflight(x)
-        x_TD = x.reshape(-1, self.hidden)
-        routing = self.router(x_TD, stats_group=self._aux_group())                   # 1. route
+        error = self._input_error(x)
+        # A rank whose input is invalid routes an empty batch instead, so that it still meets
+        # its peers in every collective up to the counts exchange, where they all raise.
+        x_TD = x.reshape(-1, self.hidden) if error is None else self._empty_input(x)
+        flags = {}
+        if self.config.check_finite and error is None:
+            flags["nonfinite_input"] = (~torch.isfinite(x_TD)).sum()
+        routing = self.router(x_TD, stats_group=self._aux_group(), defer_checks=True)      # 1. route
+        if routing.nonfinite is not None:
+            flags["nonfinite_logits"] = routing.nonfinite
         x_rows, ids, dropped, w = self._dispatched_rows(x_TD, routing)
-        x_local, meta = self.dispatcher.dispatch(                                    # 2-4. permute, exchange
-            x_rows, ids, dropped, w, routing.capacity if self.pad_to_capacity else None,
-            source_major=self.config.cpu_source_major and self.etp == 1 and not torch.compiler.is_compiling())
-        y_local = self._run_experts(x_local, meta)                                   # 5. experts
-        y_TD = self.dispatcher.combine(y_local, meta)                                # 6-8. back, unpermute, gather
+        during = None
+        if self.shared is not None and self.config.overlap_shared_experts:
+            during = lambda tp_tokens: self.shared(x_TD, self._sequence_sizes(tp_tokens))   # noqa: E731
+        x_local, meta, shared_TD = self.dispatcher.dispatch(                              # 2-4. exchange
+            x_rows, ids, dropped, w, routing.capacity if self.pad_to_capacity else None, during=during,
+            flags=flags, error=error, trusted=True, tokens=x_TD.shape[0])
+        y_local = self._run_experts(x_local, meta)                                         # 5. experts
+        y_TD = self.dispatcher.combine(y_local, meta)                                      # 6-8. back
         if self.config.score_before_experts:   # each token's K route rows summed: [T, D]
             y_TD = sum_routes(y_TD, x_TD.shape[0])
-        if self.shared is not None:
-            y_TD = y_TD + self.shared(x_TD, self._sequence_sizes(x_TD))
+        if self.shared is not None and shared_TD is None:
+            shared_TD = self.shared(x_TD, self._sequence_sizes(meta.tp_tokens))
+        if shared_TD is not None:
+            y_TD = y_TD + shared_TD
         self._record(routing, meta)
         return y_TD.reshape(x.shape)
 
-    def _preflight(self, x: torch.Tensor) -> None:
-        """Raise on every rank when any rank's input is invalid, before the first collective.
-
-        Every rank checks its own x (last dim = hidden, floating point, and finite with
-        ``check_finite``), then one all-reduce over the whole world of a [world, 3] int64
-        table (error flag, hidden, dtype code per rank: 24*world bytes) tells each rank
-        every rank's verdict. The world, not the EP group: the forward also waits in ETP,
-        TP and data-parallel collectives, whose peers must raise too. Cost: one tiny
-        collective (and its host read) per forward."""
-        error = self._input_error(x)
-        if error is None and self.config.check_finite and not bool(torch.isfinite(x).all()):
-            error = "check_finite=True: non-finite values in the MoE layer input"
-        # A layer of a one-rank state (ParallelState.single()) stays local even where a
-        # process group exists: it issues no collective at all.
-        world = dist.group.WORLD if self.state.world_size > 1 else None
-        if world is not None:
-            rank, size = dist.get_rank(), dist.get_world_size()
-            table = torch.zeros(size, 3, dtype=torch.int64)
-            table[rank] = torch.tensor([error is not None, int(x.shape[-1]) if x.dim() else -1, dtype_code(x.dtype)])
-            table = comm.all_reduce_(table.to(comm.small_device(world, x)), world, stats=self._stats.comm).cpu()
-            bad = torch.nonzero(table[:, 0]).flatten().tolist()
-            if error is None and bad:
-                error = (f"MoE forward aborted: rank(s) {bad} reported invalid input (see their error); "
-                         f"this is rank {rank}")
-            elif error is None and (table[:, 2] != table[rank, 2]).any():
-                error = (f"MoE forward: the input dtypes {[dtype_name(int(c)) for c in table[:, 2]]} differ across "
-                         f"the ranks (by global rank); every rank must pass the same dtype")
-        if error is not None:
-            raise ValueError(error)
-
     def _input_error(self, x: torch.Tensor) -> str | None:
+        """What is wrong with ``x`` here, on the host (no data read), or None."""
         if not isinstance(x, torch.Tensor):
             return f"x must be a tensor, got {type(x).__name__}"
         if x.dim() < 1 or x.shape[-1] != self.hidden:
             return f"x's last dim is {tuple(x.shape)[-1:] or '()'} but the MoE layer has hidden={self.hidden}"
         if not x.is_floating_point():
             return f"x must be a floating-point tensor, got {x.dtype}"
+        if x.device != self.router.weight.device:
+            return (f"x is on {x.device} but the MoE layer's parameters are on {self.router.weight.device}; "
+                    f"move one of them")
         return self.router.config.input_error(x.numel() // self.hidden)   # whole sequences of seq_len
+
+    def _empty_input(self, x) -> torch.Tensor:
+        """[0, hidden] on the layer's device, in x's dtype where x is a floating tensor."""
+        ok = isinstance(x, torch.Tensor) and x.is_floating_point()
+        return self.router.weight.new_zeros(0, self.hidden, dtype=x.dtype if ok else None)
 
     def _dispatched_rows(self, x_TD: torch.Tensor, routing):
         """What the dispatcher moves: (rows, expert ids, dropped or None, weights). The tokens
         with their K routes [T, D] / [T, K]; with ``score_before_experts`` (Llama 4) every
-        route as its own row scaled by its weight [T*K, D], with ids [T*K, 1] and weight 1."""
+        route as its own row scaled by its weight [T*K, D], with ids [T*K, 1] and weight 1.
+        Under autocast the rows are cast to its dtype here, once: the all-to-alls carry the
+        dtype the experts compute in (half the bytes of fp32 for bf16)."""
+        dev = x_TD.device.type
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != x_TD.dtype:
+            x_TD = x_TD.to(torch.get_autocast_dtype(dev))
         dropped = routing.dropped if routing.capacity is not None else None
         if not self.config.score_before_experts:
             return x_TD, routing.expert_ids, dropped, routing.weights
         return routes_as_rows(x_TD, routing.expert_ids, routing.weights, dropped)
 
     def _run_experts(self, x_local: torch.Tensor, meta) -> torch.Tensor:
-        """Step 5: the local experts on the received rows (expert-major, or source-major
-        blocks named by ``meta.segment_experts``); with expert TP the partial sums are
-        reduced in ``combine``, so the output bias is added once, on ETP rank 0."""
-        counts, seg = ((meta.tokens_per_local_expert, None) if meta.segment_experts is None
-                       else (meta.segment_counts, meta.segment_experts))
-        if self.checkpoint_experts and torch.is_grad_enabled():
-            y_local = torch.utils.checkpoint.checkpoint(self.experts, x_local, counts, seg, use_reentrant=False)
+        """Step 5: the local experts on the received rows (expert-major, or the source-major
+        blocks that ``meta.segments`` names); with expert TP the partial sums are reduced in
+        ``combine``, so the output bias is added once, on ETP rank 0."""
+        segments = getattr(meta, "segments", None)
+        if segments is not None:
+            args, kw = (x_local, segments[1], segments[0]), {}
         else:
-            y_local = self.experts(x_local, counts, seg)
+            args, kw = (x_local, meta.counts_dev), {"host_counts": meta.counts}
+        if self.checkpoint_experts and torch.is_grad_enabled():
+            y_local = torch.utils.checkpoint.checkpoint(self.experts, *args, use_reentrant=False, **kw)
+        else:
+            y_local = self.experts(*args, **kw)
         if self.etp > 1 and self.state.etp_rank == 0:
-            y_local = self.experts.add_output_bias(y_local, meta.tokens_per_local_expert)
+            y_local = self.experts.add_output_bias(y_local, meta.counts_dev)
         return y_local
 
     def _record(self, routing, meta) -> None:
@@ -273,20 +273,18 @@ class MoE(nn.Module):
         self._stats.routes = routing.expert_ids.numel()
         self._stats.capacity_dropped = routing.dropped.sum().detach()
         self._stats.load = meta.load
-        self._stats.exchange_form = meta.exchange_form
+        self._stats.exchange_form = meta.form
         guard = 0 if meta.load is None else meta.load.guard_dropped
         self._stats.dropped = self._stats.capacity_dropped + guard if guard else self._stats.capacity_dropped
 
-    def _sequence_sizes(self, x_TD: torch.Tensor) -> list[int] | None:
-        """Under sequence parallelism, every TP rank's token count (one small all-gather
-        over the TP group), so that the shared experts' all-gather and reduce-scatter agree
-        on the sizes also where the TP ranks' slices differ (a token count not divisible by
-        tp, a rank with no tokens). None without SP or TP."""
-        if not self.sequence_parallel or self.tp == 1:
+    def _sequence_sizes(self, tp_tokens) -> list[int] | None:
+        """Under sequence parallelism with TP, every TP rank's token count (from the counts
+        exchange), so that the shared experts' all-gather and reduce-scatter agree on the
+        sizes also where the TP ranks' slices differ. None otherwise (padded capacity mode:
+        equal slices)."""
+        if not self.sequence_parallel or self.tp == 1 or tp_tokens is None:
             return None
-        group = self.state.tp_group
-        n = torch.tensor([[x_TD.shape[0]]], dtype=torch.int64, device=comm.small_device(group, x_TD))
-        return comm.all_gather_rows(n, group, stats=self._stats.comm).flatten().tolist()
+        return list(tp_tokens)
 
     def _aux_group(self):
         """The ranks whose tokens the aux/z statistics cover (None: this rank alone).

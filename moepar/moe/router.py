@@ -43,6 +43,9 @@ class Routing:
     z_loss: torch.Tensor              # scalar fp32 in the graph, already x z_loss_coeff
     scores: torch.Tensor              # [T, E] fp32 raw scores (softmax or sigmoid of logits, no bias)
     capacity: Optional[int]           # per-expert capacity used, None when dropless
+    # nonfinite="raise" with the check deferred to the caller (``defer_checks``): the number
+    # of tokens with non-finite logits, a device scalar the caller raises on; else None.
+    nonfinite: Optional[torch.Tensor] = None
 
 
 def _positive_int(name: str, value) -> None:
@@ -334,8 +337,11 @@ class TopKRouter(nn.Module):
         return (f"hidden={c.hidden}, num_experts={c.num_experts}, k={c.k}, score_func={c.score_func!r}, "
                 f"capacity_factor={c.capacity_factor}, aux_loss={c.aux_loss!r}")
 
-    def forward(self, x_TD: torch.Tensor, *, stats_group=None) -> Routing:
-        """Route ``x_TD`` [T, D]; ``stats_group`` sums the aux/z statistics over a group."""
+    def forward(self, x_TD: torch.Tensor, *, stats_group=None, defer_checks: bool = False) -> Routing:
+        """Route ``x_TD`` [T, D]; ``stats_group`` sums the aux/z statistics over a group.
+        ``defer_checks``: with nonfinite="raise", count the non-finite tokens on the device
+        (``Routing.nonfinite``) instead of reading them here: the MoE layer sends the count in
+        its counts exchange, so that every rank raises together, with no host read of its own."""
         if x_TD.dim() != 2 or x_TD.shape[1] != self.config.hidden:
             raise ValueError(f"router input must be [T, hidden={self.config.hidden}], got {tuple(x_TD.shape)}")
         x = x_TD.float()
@@ -344,14 +350,14 @@ class TopKRouter(nn.Module):
             x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
         bias = None if self.bias is None else self.bias.float()
         logits_TE = F.linear(x, self.weight.float(), bias)
-        return self._route(logits_TE, stats_group)
+        return self._route(logits_TE, stats_group, defer_checks)
 
     def route_logits(self, logits_TE: torch.Tensor, *, stats_group=None) -> Routing:
         """Route precomputed logits [T, E] (cast to fp32); no gate linear, no jitter."""
         if logits_TE.dim() != 2 or logits_TE.shape[1] != self.config.num_experts:
             raise ValueError(f"logits must be [T, num_experts={self.config.num_experts}], "
                              f"got {tuple(logits_TE.shape)}")
-        return self._route(logits_TE.float(), stats_group)
+        return self._route(logits_TE.float(), stats_group, False)
 
     def _use_kernel(self, logits_TE: torch.Tensor) -> bool:
         cfg = self.config
@@ -359,11 +365,12 @@ class TopKRouter(nn.Module):
             return cfg.use_kernel   # True was checked against kernel_gap() at construction
         return logits_TE.is_cuda and not cfg.kernel_gap(self.training)
 
-    def _route(self, logits_TE: torch.Tensor, stats_group) -> Routing:
+    def _route(self, logits_TE: torch.Tensor, stats_group, defer_checks: bool) -> Routing:
         cfg = self.config
         T, E = logits_TE.shape
         bad_T = _rk.nonfinite_rows(logits_TE)
-        if cfg.nonfinite == "raise" and bool(bad_T.any()):
+        nonfinite = bad_T.sum() if cfg.nonfinite == "raise" and defer_checks else None
+        if cfg.nonfinite == "raise" and not defer_checks and bool(bad_T.any()):
             first = int(bad_T.nonzero()[0, 0])
             raise ValueError(f"router logits are NaN or inf for {int(bad_T.sum())} of {T} tokens "
                              f"(first: token {first}); nonfinite='propagate' turns them into NaN outputs")
@@ -404,7 +411,7 @@ class TopKRouter(nn.Module):
         if self.training and cfg.expert_bias:
             with torch.no_grad():
                 self.load_accum += hist_E
-        return Routing(ids_TK, w_TK, dropped_TK, kept_E, aux, z, scores_TE, capacity)
+        return Routing(ids_TK, w_TK, dropped_TK, kept_E, aux, z, scores_TE, capacity, nonfinite)
 
     def _losses(self, logits_TE, scores_TE, ids_TK, hist_E, group) -> tuple[torch.Tensor, torch.Tensor]:
         """Aux and z losses from sums that add over ranks, so ``stats_group`` gives the
@@ -437,7 +444,7 @@ class TopKRouter(nn.Module):
                               .scatter_add_(1, ids_TK.reshape(B, L * K), ones).reshape(-1))
         if z_on:
             diff.append((torch.logsumexp(logits_TE, dim=-1) ** 2).sum().reshape(1))
-        counts.append(torch.tensor([T], dtype=torch.int64, device=logits_TE.device))
+        counts.append(logits_TE.new_full((1,), T, dtype=torch.int64))   # a fill: no host data copied
         diff_sum, count_sum = torch.cat(diff), torch.cat(counts)
         if comm.group_size(group) > 1:
             diff_sum = comm.reduce_from_region(diff_sum, group)   # bytes: 4 * len (E, or B*E, +1)

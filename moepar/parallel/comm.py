@@ -349,6 +349,88 @@ class _AllToAll(torch.autograd.Function):
                 None, None, None, None, None)
 
 
+class Pending:
+    """An all-to-all in flight (``all_to_all_start``): ``wait`` makes its output usable."""
+
+    def __init__(self) -> None:
+        self.work = None
+        self._record = None
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()   # NCCL: the current stream waits, the host does not
+            self.work = None
+        if self._record is not None:
+            self._record(time.perf_counter())
+            self._record = None
+
+
+class _AllToAllAsync(torch.autograd.Function):
+    """Forward: the all-to-all issued with ``async_op=True`` (its output is filled once the
+    ``Pending`` is waited on, ``wait_for``); backward: the reverse all-to-all, synchronous."""
+
+    @staticmethod
+    def forward(ctx, x, group, out_splits, in_splits, stats, empty, pending):
+        ctx.group, ctx.out_s, ctx.in_s, ctx.stats, ctx.empty = group, out_splits, in_splits, stats, empty
+        x = x.contiguous()
+        out = _new_rows(x, x.shape[0] if out_splits is None else sum(out_splits), empty)
+        out_s = None if out_splits is None else list(out_splits)
+        in_s = None if in_splits is None else list(in_splits)
+        if _SYNC_DEPTH[0] > 0 or _WAIT_DEPTH[0] > 0:   # measurement modes time the call alone
+            _timed("all_to_all", group, _nbytes(x), False,
+                   lambda: dist.all_to_all_single(out, x, out_s, in_s, group=group), stats)
+            return out
+        t0 = time.perf_counter()
+        pending.work = dist.all_to_all_single(out, x, out_s, in_s, group=group, async_op=True)
+        nbytes = _nbytes(x)
+
+        def record(t_end: float) -> None:   # launch to completion, overlapped work included
+            event = CommEvent("all_to_all", group_size(group), nbytes, t_end - t0, False)
+            for listener in _LISTENERS:
+                listener.add(event)
+            if stats is not None:
+                stats.add(event)
+        pending._record = record
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        return (all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True, stats=ctx.stats, empty=ctx.empty),
+                None, None, None, None, None, None)
+
+
+class _Wait(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, out, pending):
+        pending.wait()
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+def all_to_all_start(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None = None,
+                     input_split_sizes: Sequence[int] | None = None, stats: CommStats | None = None,
+                     empty: EmptyFn | None = None) -> tuple[torch.Tensor, Pending]:
+    """``all_to_all`` issued without waiting: returns (output, pending). Work queued before
+    ``wait_for(output, pending)`` overlaps the transfer (on gloo it runs in the group's
+    thread; on NCCL on the group's stream); the output must not be read before. Backward:
+    the reverse all-to-all, as ``all_to_all``'s."""
+    pending = Pending()
+    if group_size(group) == 1:
+        return x, pending
+    return _AllToAllAsync.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats, empty,
+                                pending), pending
+
+
+def wait_for(out: torch.Tensor, pending: Pending) -> torch.Tensor:
+    """``out`` once its all-to-all (``all_to_all_start``) has completed."""
+    if pending.work is None and pending._record is None:
+        return out
+    return _Wait.apply(out, pending)
+
+
 def copy_to_region(x: torch.Tensor, group, stats: CommStats | None = None) -> torch.Tensor:
     """Identity forward, all-reduce of the gradient backward (entering a TP region)."""
     return x if group_size(group) == 1 else _CopyToRegion.apply(x, group, stats)

@@ -85,21 +85,29 @@ def allreduce_gradients(model: nn.Module, state: ParallelState | None = None, op
         _reduce(dense, state.dp_group, scale, stats)
 
 
+def _param_device(model: nn.Module) -> torch.device:
+    p = next(iter(model.parameters()), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
 def grad_norm(model: nn.Module, state: ParallelState | None = None,
               stats: comm.CommStats | None = None) -> torch.Tensor:
     """Global L2 norm of the gradients of the whole (unsharded) model, the same on every
-    rank (call after ``allreduce_gradients``). Each distinct parameter slice counts once:
-    dense TP-sliced params summed over TP, replicated ones counted on TP rank 0; expert
-    slices summed over the EP and ETP groups, ETP-replicated ones counted on ETP rank 0."""
+    rank (call after ``allreduce_gradients``), a 0-dim fp32 tensor on the parameters'
+    device: the sums and their all-reduces stay there (NCCL takes no CPU tensor; nothing is
+    read to the host). Each distinct parameter slice counts once: dense TP-sliced params
+    summed over TP, replicated ones counted on TP rank 0; expert slices summed over the EP
+    and ETP groups, ETP-replicated ones counted on ETP rank 0."""
     state = state if state is not None else get_parallel_state()
     if any(hasattr(p, "moepar_fsdp_kind") for p in model.parameters()):
         return _sharded_grad_norm(model, state, stats)
-    dense_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
+    dev = _param_device(model)
+    dense_sq = torch.zeros((), dtype=torch.float64, device=dev)
+    expert_sq = torch.zeros((), dtype=torch.float64, device=dev)
     for p in model.parameters():
         if p.grad is None:
             continue
-        sq = p.grad.detach().double().pow(2).sum().cpu()
+        sq = p.grad.detach().double().pow(2).sum()
         if is_expert_param(p):
             if getattr(p, "moepar_expert_partition_dim", 0) is not None or state.etp_rank == 0:
                 expert_sq += sq
@@ -115,15 +123,15 @@ def _sharded_grad_norm(model: nn.Module, state: ParallelState, stats: comm.CommS
     """grad_norm of a moepar.fully_shard model: each rank's gradient shards are distinct
     within their FSDP group, so one sum over the world counts every element once, except a
     replicated (not TP-sliced) dense parameter, whose TP ranks hold the same shards: counted on
-    TP rank 0. One 8-byte all-reduce over the world."""
-    sq = torch.zeros((), dtype=torch.float64)
+    TP rank 0. One 8-byte all-reduce over the world, on the parameters' device."""
+    sq = torch.zeros((), dtype=torch.float64, device=_param_device(model))
     for p in model.parameters():
         if p.grad is None:
             continue
         if p.moepar_fsdp_kind == "dense" and not getattr(p, "tensor_model_parallel", False) and state.tp_rank:
             continue
         g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-        sq += g.detach().double().pow(2).sum().cpu()
+        sq += g.detach().double().pow(2).sum().to(sq.device)
     if state.world_size > 1:
         comm.all_reduce_(sq, torch.distributed.group.WORLD, stats=stats)
     return sq.sqrt().float()
@@ -131,11 +139,13 @@ def _sharded_grad_norm(model: nn.Module, state: ParallelState, stats: comm.CommS
 
 def clip_grad_norm_(model: nn.Module, max_norm: float, state: ParallelState | None = None,
                     stats: comm.CommStats | None = None) -> torch.Tensor:
-    """Scale all gradients so the global norm is at most ``max_norm``; returns the norm."""
+    """Scale all gradients so the global norm is at most ``max_norm``; returns the norm.
+    The scale min(1, max_norm / (norm + 1e-6)) is applied on the device, as
+    ``torch.nn.utils.clip_grad_norm_`` does: no host read."""
     total = grad_norm(model, state, stats)
-    scale = max_norm / (float(total) + 1e-6)
-    if scale < 1.0:
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+    scale = (max_norm / (total.double() + 1e-6)).clamp(max=1.0)
+    for p in model.parameters():
+        if p.grad is not None:   # a sharded (DTensor) gradient: scale its local shard in place
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            g.mul_(scale.to(device=g.device, dtype=g.dtype))
     return total

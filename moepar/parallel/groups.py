@@ -6,6 +6,11 @@ Dense layers see the world as ``tp x dp`` with consecutive ranks forming a TP gr
 ``rank = edp_rank * (ep * etp) + ep_rank * etp + etp_rank`` (Megatron-Core's MoE parallel
 folding: the expert layout is independent of the dense one, only both must tile the world).
 
+One MoE layer's collectives (TP, EP, ETP) stay inside its *MoE block*: the closure of those
+groups, ``lcm(tp, ep*etp)`` consecutive ranks (group "moe"). Its counts exchange is an
+all-gather over the block, so a bad input on any rank of the block raises on all of them,
+and nothing in a layer's forward reaches wider (data-parallel replicas, pipeline stages).
+
 Everything above ``ParallelState`` is pure rank arithmetic, testable without processes.
 ``init_parallel`` creates the ``torch.distributed`` groups for this rank. In moepar a group
 of ``None`` means "this rank alone" (never "the world", unlike torch's own default), so a
@@ -17,6 +22,7 @@ import atexit
 import contextlib
 import dataclasses
 import gc
+import math
 import sys
 from typing import Iterator
 
@@ -90,17 +96,53 @@ class Layout:
         block = self.ep * self.etp
         return [[d * block + j for d in range(self.edp)] for j in range(block)]
 
+    @property
+    def moe(self) -> int:
+        """Ranks in one MoE layer's block: lcm(tp, ep*etp) consecutive ranks, the closure of
+        the TP, EP and ETP groups (every collective of one MoE layer stays inside it)."""
+        return math.lcm(self.tp, self.ep * self.etp)
+
+    def moe_groups(self) -> list[list[int]]:
+        n = self.moe
+        return [list(range(s, s + n)) for s in range(0, self.world_size, n)]
+
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's index inside each of its groups."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside the world of {self.world_size} ranks")
         block = self.ep * self.etp
         return {"tp": rank % self.tp, "dp": rank // self.tp,
-                "etp": rank % self.etp, "ep": (rank % block) // self.etp, "edp": rank // block}
+                "etp": rank % self.etp, "ep": (rank % block) // self.etp, "edp": rank // block,
+                "moe": rank % self.moe}
 
     def all_groups(self) -> dict[str, list[list[int]]]:
         return {"tp": self.tp_groups(), "dp": self.dp_groups(), "etp": self.etp_groups(),
-                "ep": self.ep_groups(), "edp": self.edp_groups()}
+                "ep": self.ep_groups(), "edp": self.edp_groups(), "moe": self.moe_groups()}
+
+    def moe_rows(self, rank: int) -> "MoeRows":
+        """Where ``rank``'s peers sit inside its MoE block (indices into the block's ranks)."""
+        n = self.moe
+        start = rank - rank % n
+        c = self.coords(rank)
+        sub = c["edp"] * self.ep * self.etp - start          # this rank's EP x ETP sub-block
+        ep_rows = tuple(sub + e * self.etp + c["etp"] for e in range(self.ep))
+        tp_rows = tuple(c["dp"] * self.tp + t - start for t in range(self.tp))
+        return MoeRows(rank - start, sub, ep_rows, tp_rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeRows:
+    """A rank's place in its MoE block, as row indices of a block-wide all-gather.
+
+    ``me``: this rank's row; ``sub``: first row of its EP x ETP sub-block, whose rows are
+    ``sub + e*etp + t`` for EP index e and ETP index t (so the rows of ETP peer t's EP group
+    are ``sub + t :: etp``); ``ep_rows``: the rows of this rank's EP group in EP order;
+    ``tp_rows``: the rows of its TP group in TP order."""
+
+    me: int
+    sub: int
+    ep_rows: tuple[int, ...]
+    tp_rows: tuple[int, ...]
 
 
 class RNGTracker:
@@ -158,12 +200,13 @@ class ParallelState:
 
     @classmethod
     def single(cls, seed: int = 1234) -> "ParallelState":
-        return cls(Layout(1), 0, {k: None for k in ("tp", "dp", "etp", "ep", "edp")}, seed)
+        return cls(Layout(1), 0, {k: None for k in ("tp", "dp", "etp", "ep", "edp", "moe")}, seed)
 
     # sizes and ranks
     def size(self, kind: str) -> int:
         return {"tp": self.layout.tp, "dp": self.layout.dp, "etp": self.layout.etp,
-                "ep": self.layout.ep, "edp": self.layout.edp, "world": self.layout.world_size}[kind]
+                "ep": self.layout.ep, "edp": self.layout.edp, "moe": self.layout.moe,
+                "world": self.layout.world_size}[kind]
 
     def rank_in(self, kind: str) -> int:
         return self.rank if kind == "world" else self.layout.coords(self.rank)[kind]
@@ -187,6 +230,13 @@ class ParallelState:
     ep_group = property(lambda self: self.group("ep"))
     etp_group = property(lambda self: self.group("etp"))
     edp_group = property(lambda self: self.group("edp"))
+    moe_size = property(lambda self: self.layout.moe)
+    moe_group = property(lambda self: self.group("moe"))
+
+    @property
+    def moe_rows(self) -> MoeRows:
+        """This rank's EP, ETP and TP peers as rows of its MoE block (``Layout.moe_rows``)."""
+        return self.layout.moe_rows(self.rank)
 
     @property
     def model_parallel_seed(self) -> int:
@@ -269,14 +319,19 @@ def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
             f"without it the world has 1 rank and every size must be 1")
     layout = Layout(world_size, tensor_parallel_size, expert_parallel_size, etp)
     groups: dict[str, object | None] = {}
+    # The MoE block reuses a group of the same ranks where there is one (most layouts: the EP
+    # or the TP group); the other kinds keep groups of their own (FSDP2 wants one mesh per group).
+    made: dict[tuple[int, ...], object] = {}
     for kind, rank_lists in layout.all_groups().items():
         groups[kind] = None
         if len(rank_lists[0]) == 1:
             continue  # size-1 groups are never created: every collective on them is a no-op
         for ranks in rank_lists:  # every rank creates every group, in the same order
-            g = dist.new_group(ranks)
+            key = tuple(ranks)
+            if kind != "moe" or key not in made:
+                made[key] = dist.new_group(ranks)
             if rank in ranks:
-                groups[kind] = g
+                groups[kind] = made[key]
     state = ParallelState(layout, rank, groups, seed)
     torch.manual_seed(state.data_parallel_seed)
     state.rng = RNGTracker(state.model_parallel_seed)

@@ -1,0 +1,341 @@
+"""The token exchange forms: how the rows travel to the experts' ranks and back.
+
+Legend: T tokens this rank dispatches, D hidden, E global experts, L = E/P local experts,
+K top-k, P EP ranks, S = etp*P source blocks, N rows this rank sends, M rows its experts
+process, C slots per expert (padded).
+
+Each form is a stateless class with ``dispatch`` (the rows for this rank's local experts,
+expert-major unless said otherwise, and a frozen metadata record) and ``combine`` (its
+inverse: [T, D], each token's expert outputs summed with its routing weights). The
+dispatcher (``dispatcher.py``) picks the form from the counts exchange (``plan.py``):
+
+* ``RouteRows``: one row per kept route (the default, every backend): permute expert-major,
+  one all-to-all-v, the ETP all-gather, a regroup of the received source-major blocks by
+  local expert (skipped when there is one block or one local expert: "direct");
+* ``SourceMajorRows``: the same rows left source-major for the experts (``cpu.py``: on gloo
+  with CPU tensors only, opt-in: ``MoEConfig.cpu_source_major``);
+* ``DedupRows``: one row per token and destination rank plus a side message of weights and
+  local ids (``dedup.py``), expanded by the receiver;
+* ``PaddedRows``: capacity slots, every split equal and known without any exchange.
+
+The token all-to-all is issued without waiting (``comm.all_to_all_start``); the caller's
+``during`` work (the shared experts) runs while it is in flight.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import torch
+
+from moepar_kernels.permute import permute, unpermute
+
+from ..parallel import comm
+from . import cpu
+from .dedup import dedup_expand, dedup_send
+from .guard import GroupLoad
+from .plan import Plan, Topology
+
+During = Callable[[tuple[int, ...] | None], torch.Tensor] | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One call's groups and accounting (read from the state at each call)."""
+
+    topo: Topology
+    num_experts: int
+    stats: comm.CommStats | None
+
+    @property
+    def L(self) -> int:
+        return self.num_experts // self.topo.ep
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Routes:
+    """This rank's share of the routes (step 1): tokens, their K expert ids, drops, weights,
+    and every TP rank's share size (None without a TP group of replicated tokens)."""
+
+    x_TD: torch.Tensor
+    expert_ids_TK: torch.Tensor
+    dropped_TK: torch.Tensor | None
+    weights_TK: torch.Tensor
+    token_sizes: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Meta:
+    """What every form's metadata holds: the form's name (``MoEStats.exchange_form``), the
+    tokens to combine into, the rows per local expert (on the host when known, None where
+    nothing was read back; and on the device), the EP group's load, the TP peers' tokens."""
+
+    form: str
+    num_tokens: int
+    counts: tuple[int, ...] | None
+    counts_dev: torch.Tensor
+    load: GroupLoad | None
+    tp_tokens: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RowsMeta(Meta):
+    row_map_TK: torch.Tensor             # [T, K] row of each route in the sent rows, -1 dropped
+    weights_TK: torch.Tensor             # [T, K] combine weights (in the graph)
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    etp_sizes: tuple[int, ...] | None    # rows each ETP peer received
+    regroup: tuple[torch.Tensor, torch.Tensor] | None   # (idx, inverse): source- to expert-major
+    token_sizes: tuple[int, ...] | None  # TP shares of the tokens
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SourceMajorMeta(Meta):
+    row_map_TK: torch.Tensor
+    weights_TK: torch.Tensor
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    token_sizes: tuple[int, ...] | None
+    segments: tuple[tuple[int, ...], list[int]]   # (local expert, rows) of each received block
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DedupMeta(Meta):
+    row_map_TK: torch.Tensor             # [T, K] route -> sent row; -1: shares an earlier route's row
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    row_map_RK: torch.Tensor             # [R, K] received row's routes -> x_local rows
+    weights_RK: torch.Tensor             # [R, K] their weights (in the graph)
+    token_sizes: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class PaddedMeta(Meta):
+    row_map_TK: torch.Tensor             # [T, K] slot of each route, -1 dropped
+    weights_TK: torch.Tensor
+    capacity: int                        # C: slots per expert (a multiple of tp)
+    etp_sizes: tuple[int, ...] | None
+    regroup: tuple[torch.Tensor, torch.Tensor] | None
+
+
+class _PermuteRows(torch.autograd.Function):
+    """x[idx] for a permutation idx; the backward applies the inverse permutation (a gather,
+    not the scatter-add that index_select's generic backward would use)."""
+
+    @staticmethod
+    def forward(ctx, x, idx, inv):
+        ctx.save_for_backward(inv)
+        return _gather_rows(x, idx)
+
+    @staticmethod
+    def backward(ctx, g):
+        (inv,) = ctx.saved_tensors
+        return _gather_rows(g, inv), None, None
+
+
+def _gather_rows(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """x[idx] (into a buffer from the CPU pool on the CPU)."""
+    return torch.index_select(x, 0, idx, out=cpu.empty_like_rows(x, idx.shape[0]))
+
+
+def regroup_index(counts_SL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The permutation taking rows from source-major blocks (s, l) to expert-major (l, s),
+    and its inverse; on ``counts_SL``'s device, O(M), no host read (M = ``num_rows``)."""
+    S, L = counts_SL.shape
+    dev = counts_SL.device
+    flat = counts_SL.reshape(-1)
+    src_start = torch.cumsum(flat, 0) - flat                   # start of block (s, l), source order
+    order = torch.arange(S * L, device=dev).view(S, L).t().reshape(-1)   # blocks in (l, s) order
+    cnt, starts = flat[order], src_start[order]
+    tgt_start = torch.cumsum(cnt, 0) - cnt
+    rows = torch.arange(num_rows, device=dev)
+    idx = rows + torch.repeat_interleave(starts - tgt_start, cnt, output_size=num_rows)
+    return idx, torch.empty_like(idx).scatter_(0, idx, rows)
+
+
+def _run_during(during: During, tp_tokens) -> torch.Tensor | None:
+    return None if during is None else during(tp_tokens)
+
+
+def _gather_etp(call: Call, x_recv: torch.Tensor, etp_sizes) -> torch.Tensor:
+    """With expert TP every ETP rank computes a slice of the same experts on the rows of all
+    its ETP peers: all-gather them (backward: reduce-scatter)."""
+    if call.topo.etp == 1:
+        return x_recv
+    return comm.gather_from_sequence_region(x_recv, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
+
+
+def _return_rows(call: Call, y: torch.Tensor, etp_sizes, send, recv) -> torch.Tensor:
+    """The ETP reduce-scatter of the partial outputs, then the all-to-all back to the senders."""
+    if call.topo.etp > 1:
+        y = comm.reduce_scatter_to_region(y, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
+    return comm.all_to_all(y, call.topo.ep_group, send, recv, stats=call.stats, empty=cpu.empty)
+
+
+def _tokens_back(call: Call, y_TD: torch.Tensor, token_sizes) -> torch.Tensor:
+    """Undo the TP share: all-gather every TP rank's tokens (backward: keep this share)."""
+    if token_sizes is None:
+        return y_TD
+    return comm.gather_from_region(y_TD, call.topo.tp_group, 0, token_sizes, stats=call.stats)
+
+
+class RouteRows:
+    """One row per kept route, expert-major after a regroup of the received blocks."""
+
+    def dispatch(self, call: Call, routes: Routes, plan: Plan | None, during: During = None,
+                 trusted: bool = False):
+        r = routes
+        if plan is None:   # this rank alone (no exchange): the permute's own counts
+            n = r.expert_ids_TK.numel() if trusted and r.dropped_TK is None else None
+            x_ND, counts_E, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                                 num_rows=n)
+            extra = _run_during(during, None)
+            free = counts_E.device.type == "cpu" and not torch.compiler.is_compiling()   # a read costs nothing
+            host = tuple(counts_E.tolist()) if free else None
+            M = x_ND.shape[0]
+            load_PE = counts_E.view(1, -1)   # one rank: its load (read only if a user asks for figures)
+            return x_ND, RowsMeta(form="direct", num_tokens=r.x_TD.shape[0], counts=host, counts_dev=counts_E,
+                                  load=GroupLoad(load_PE, load_PE, None, 0), tp_tokens=None, row_map_TK=row_map_TK, weights_TK=r.weights_TK,
+                                  send=(M,), recv=(M,), etp_sizes=None, regroup=None,
+                                  token_sizes=r.token_sizes), extra
+        x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                      num_rows=sum(plan.send))
+        x_recv, pending = comm.all_to_all_start(x_ND, call.topo.ep_group, plan.recv, plan.send,
+                                                stats=call.stats, empty=cpu.empty)
+        extra = _run_during(during, plan.tp_tokens)
+        x_recv = _gather_etp(call, comm.wait_for(x_recv, pending), plan.etp_sizes)
+        x_local, regroup = self._expert_major(x_recv, plan)
+        return x_local, self._meta(call, r, plan, row_map_TK, regroup), extra
+
+    @staticmethod
+    def _expert_major(x_recv: torch.Tensor, plan: Plan):
+        """The grouped GEMM wants each local expert's rows contiguous: a gather from the
+        source-major (s, l) blocks to expert-major (l, s), undone in ``combine``."""
+        S, L = plan.counts_SL.shape
+        if S == 1 or L == 1:   # already expert-major
+            return x_recv, None
+        regroup = regroup_index(plan.counts_SL_dev, x_recv.shape[0])
+        return _PermuteRows.apply(x_recv, *regroup), regroup
+
+    @staticmethod
+    def _meta(call, r: Routes, plan: Plan, row_map_TK, regroup) -> RowsMeta:
+        return RowsMeta(form="regroup" if regroup is not None else "direct", num_tokens=r.x_TD.shape[0],
+                        counts=tuple(plan.counts_SL.sum(0).tolist()), counts_dev=plan.counts_SL_dev.sum(0),
+                        load=plan.load, tp_tokens=plan.tp_tokens, row_map_TK=row_map_TK,
+                        weights_TK=r.weights_TK, send=plan.send, recv=plan.recv, etp_sizes=plan.etp_sizes,
+                        regroup=regroup, token_sizes=r.token_sizes)
+
+    def combine(self, call: Call, y: torch.Tensor, meta: RowsMeta) -> torch.Tensor:
+        if meta.regroup is not None:
+            idx, inv = meta.regroup
+            y = _PermuteRows.apply(y, inv, idx)
+        y = _return_rows(call, y, meta.etp_sizes, meta.send, meta.recv)
+        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0])
+        return _tokens_back(call, y, meta.token_sizes)
+
+
+class SourceMajorRows(RouteRows):
+    """``RouteRows`` without the regroup: the experts take the received (peer, local expert)
+    blocks as they arrived (gloo with CPU tensors only; ``cpu.py`` says why)."""
+
+    def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
+        r = routes
+        x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                      num_rows=sum(plan.send))
+        x_recv, pending = comm.all_to_all_start(x_ND, call.topo.ep_group, plan.recv, plan.send,
+                                                stats=call.stats, empty=cpu.empty)
+        extra = _run_during(during, plan.tp_tokens)
+        x_recv = comm.wait_for(x_recv, pending)
+        meta = SourceMajorMeta(form="source_major", num_tokens=r.x_TD.shape[0],
+                               counts=tuple(plan.counts_SL.sum(0).tolist()), counts_dev=plan.counts_SL_dev.sum(0),
+                               load=plan.load, tp_tokens=plan.tp_tokens, row_map_TK=row_map_TK,
+                               weights_TK=r.weights_TK, send=plan.send, recv=plan.recv,
+                               token_sizes=r.token_sizes, segments=cpu.source_major_segments(plan.counts_SL))
+        return x_recv, meta, extra
+
+    def combine(self, call: Call, y: torch.Tensor, meta: SourceMajorMeta) -> torch.Tensor:
+        y = comm.all_to_all(y, call.topo.ep_group, meta.send, meta.recv, stats=call.stats, empty=cpu.empty)
+        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0])
+        return _tokens_back(call, y, meta.token_sizes)
+
+
+class DedupRows:
+    """One row per (token, destination rank), not per route (``dedup.py``). The sender
+    sends each token once to every rank that holds any of its experts, with a side message
+    per row ([rows, 2K] fp32: the weights and local expert ids of the token's routes to that
+    rank); the receiver expands the rows into its experts' rows (expert-major: no regroup)
+    and, in ``combine``, sums each row's expert outputs with its weights before the return
+    all-to-all; the sender then sums a token's returned rows. The weights' gradients flow
+    back through the side message's reverse all-to-all."""
+
+    def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
+        r, P, L = routes, call.topo.ep, call.L
+        x_SD, row_map_TK, side_S = dedup_send(r.x_TD, r.expert_ids_TK, r.dropped_TK, r.weights_TK, L, P,
+                                              num_rows=sum(plan.send))
+        group = call.topo.ep_group
+        x_recv, pending_x = comm.all_to_all_start(x_SD, group, plan.recv, plan.send, stats=call.stats,
+                                                  empty=cpu.empty)
+        side_R, pending_side = comm.all_to_all_start(side_S, group, plan.recv, plan.send, stats=call.stats)
+        extra = _run_during(during, plan.tp_tokens)
+        x_recv, side_R = comm.wait_for(x_recv, pending_x), comm.wait_for(side_R, pending_side)
+        counts = tuple(plan.counts_SL.sum(0).tolist())
+        x_local, row_map_RK, w_RK = dedup_expand(x_recv, side_R, L, num_rows=sum(counts))
+        return x_local, DedupMeta(form="dedup", num_tokens=r.x_TD.shape[0], counts=counts,
+                                  counts_dev=plan.counts_SL_dev.sum(0), load=plan.load, tp_tokens=plan.tp_tokens,
+                                  row_map_TK=row_map_TK, send=plan.send, recv=plan.recv, row_map_RK=row_map_RK,
+                                  weights_RK=w_RK, token_sizes=r.token_sizes), extra
+
+    def combine(self, call: Call, y: torch.Tensor, meta: DedupMeta) -> torch.Tensor:
+        y = unpermute(y, meta.row_map_RK, meta.weights_RK, meta.row_map_RK.shape[0])
+        y = comm.all_to_all(y, call.topo.ep_group, meta.send, meta.recv, stats=call.stats, empty=cpu.empty)
+        # The weights were applied on the receiver: the sender sums a token's rows with weight 1.
+        y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0])
+        return _tokens_back(call, y, meta.token_sizes)
+
+
+class PaddedRows:
+    """Capacity slots: every expert gets C slots (the router's capacity rounded up to a
+    multiple of tp), empty slots zero, so every split is equal and known on every rank
+    without any exchange (no host read: a CUDA graph can capture it). The TP ranks split
+    each expert's slots ([E, C/tp, D] each) instead of the tokens. Every rank of the block
+    must route the same number of tokens (equal capacities), as Megatron-Core's and
+    DeepSpeed's padded all-to-alls assume."""
+
+    def dispatch(self, call: Call, x_TD, expert_ids_TK, dropped_TK, weights_TK, capacity: int,
+                 during: During = None):
+        topo, E, L, P, D = call.topo, call.num_experts, call.L, call.topo.ep, x_TD.shape[1]
+        C = -(-capacity // topo.tp) * topo.tp
+        x_ND, _, row_map_TK = permute(x_TD, expert_ids_TK, dropped_TK, E, capacity=C, num_rows=E * C)
+        if topo.tp > 1:
+            x_ND = comm.scatter_to_region(x_ND.view(E, C, D), topo.tp_group, 1, stats=call.stats).reshape(-1, D)
+        slots = C // topo.tp
+        split = (L * slots,) * P
+        x_recv, pending = comm.all_to_all_start(x_ND, topo.ep_group, split, split, stats=call.stats,
+                                                empty=cpu.empty)
+        extra = _run_during(during, None)
+        etp_sizes = (P * L * slots,) * topo.etp if topo.etp > 1 else None
+        x_recv = _gather_etp(call, comm.wait_for(x_recv, pending), etp_sizes)
+        S = topo.etp * P
+        regroup = None
+        if S > 1 and L > 1:
+            regroup = regroup_index(torch.full((S, L), slots, dtype=torch.int64, device=x_recv.device),
+                                    x_recv.shape[0])
+            x_recv = _PermuteRows.apply(x_recv, *regroup)
+        counts_dev = torch.full((L,), S * slots, dtype=torch.int64, device=x_recv.device)
+        return x_recv, PaddedMeta(form="padded", num_tokens=x_TD.shape[0], counts=(S * slots,) * L,
+                                  counts_dev=counts_dev, load=None, tp_tokens=None, row_map_TK=row_map_TK,
+                                  weights_TK=weights_TK, capacity=C, etp_sizes=etp_sizes, regroup=regroup), extra
+
+    def combine(self, call: Call, y: torch.Tensor, meta: PaddedMeta) -> torch.Tensor:
+        if meta.regroup is not None:
+            idx, inv = meta.regroup
+            y = _PermuteRows.apply(y, inv, idx)
+        split = (call.L * (meta.capacity // call.topo.tp),) * call.topo.ep
+        y = _return_rows(call, y, meta.etp_sizes, split, split)
+        if call.topo.tp > 1:   # gather every expert's slot slices back: [E, C, D]
+            y = comm.gather_from_region(y.view(call.num_experts, -1, y.shape[-1]), call.topo.tp_group, 1,
+                                        stats=call.stats).reshape(-1, y.shape[-1])
+        return unpermute(y, meta.row_map_TK, meta.weights_TK, meta.num_tokens)
+
+
+FORMS = {"rows": RouteRows(), "source_major": SourceMajorRows(), "dedup": DedupRows(), "padded": PaddedRows()}
