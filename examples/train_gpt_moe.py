@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--checkpoint-activations", action="store_true",
                    help="recompute attention cores, MLP activations and expert FFNs in backward "
                         "(no collective is re-run)")
+    g.add_argument("--cpu-source-major", action="store_true",
+                   help="on CPUs over gloo, let the experts take the received rows source-major "
+                        "(no regroup; the layer's cpu_source_major option)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300)
     g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
@@ -119,7 +122,8 @@ def build(args, device):
                     expert_ffn=args.expert_ffn, dense_ffn=args.dense_ffn, capacity_factor=args.capacity_factor,
                     aux_loss_coeff=args.aux_loss_coeff, z_loss_coeff=args.z_loss_coeff,
                     sequence_parallel=args.sequence_parallel,
-                    checkpoint_activations=args.checkpoint_activations, init_seed=args.seed)
+                    checkpoint_activations=args.checkpoint_activations, init_seed=args.seed,
+                    cpu_source_major=args.cpu_source_major)
     model = GPT(cfg, state).to(device)
     if args.fsdp:
         model = moepar.fully_shard(model, state)  # the optimizer below sees the sharded params

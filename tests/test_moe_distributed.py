@@ -5,6 +5,7 @@ import torch.distributed as dist
 
 from moepar.moe.layer import MoE, aux_loss
 from moepar.parallel import allreduce_gradients, init_parallel
+from moepar.parallel import comm
 from moepar.parallel.groups import Layout
 
 from . import moe_ref
@@ -490,3 +491,51 @@ def test_sequence_parallel_shared_experts_with_uneven_token_slices():
                     None, moe_ref.D, True, [5, 1])
     assert sorted(r[0]["tokens"] for r in out) == [0, 1, 2, 3]
     _assert_close(out)
+
+
+def _serial_vs_overlapped(tp, ep, sp):
+    """The same layer with the shared experts computed during the dispatch all-to-all and
+    after the combine: outputs, input and every weight gradient."""
+    state = init_parallel(tp, ep, verbose=False)
+    x, g = moe_ref.replica_input(state.dp_rank, 7)
+    if sp:
+        lo, hi = comm_split(x.shape[0], state)
+        x, g = x[lo:hi].clone(), g[lo:hi]
+    out = {}
+    for overlap in (True, False):
+        moe = moe_ref.build(state, k=2, num_shared_experts=1, shared_expert_gate=True, sequence_parallel=sp,
+                            overlap_shared_experts=overlap)
+        xi = x.clone().requires_grad_()
+        with comm.track() as seen:   # every collective, the shared experts' TP ones included
+            y = moe(xi)
+        ((y * g).sum() + aux_loss(moe)).backward()
+        out[overlap] = [y.detach(), xi.grad] + [p.grad for p in moe.parameters()]
+        assert moe.stats.comm.count("all_to_all", backward=False) == (2 if ep > 1 else 0)
+        if tp > 1 and not sp:   # overlapped: the shared experts' TP all-reduce ran (and was
+            # recorded) while the dispatch all-to-all was in flight, before its wait recorded it
+            ops = [e.op for e in seen.events]
+            assert (ops.index("all_reduce") < ops.index("all_to_all")) == overlap, ops
+    return all(torch.equal(a, b) for a, b in zip(out[True], out[False]))
+
+
+@pytest.mark.parametrize("tp,ep,sp", [(1, 2, False), (2, 2, False), (2, 2, True), (1, 4, False)])
+def test_shared_experts_overlapped_with_the_dispatch_give_the_same_numbers(tp, ep, sp):
+    assert all(run_ranks(_serial_vs_overlapped, 4, tp, ep, sp))
+
+
+def _autocast_bytes():
+    state = init_parallel(1, 2, verbose=False)
+    moe = moe_ref.build(state, k=2)
+    x, _ = moe_ref.replica_input(state.dp_rank, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = moe(x)
+    sends = [e.nbytes for e in moe.stats.comm.events if e.op == "all_to_all"]
+    rows = sum(moe.stats.load.load_PE[moe.stats.load.rank].tolist())   # routes this rank sent
+    return y.dtype, sends[0], rows
+
+
+def test_autocast_sends_the_rows_in_the_autocast_dtype():
+    # The tokens are cast once before the dispatch: the all-to-all carries bf16 rows
+    # (2 bytes an element), not the fp32 input's 4.
+    for dtype, sent, rows in run_ranks(_autocast_bytes, 2):
+        assert dtype == torch.bfloat16 and sent == rows * moe_ref.D * 2

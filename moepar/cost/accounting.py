@@ -40,8 +40,8 @@ carry the expert inputs; forward combine and backward dispatch-gradient the outp
 
 Two bounds on the step: no overlap (communication + compute), and ideal overlap: the
 data-parallel gradient reduction hidden behind the backward that produces it (the last
-micro-batch's for ZeRO 0/1, each micro-batch's for ZeRO 2/3) and shared experts' compute
-behind the MoE all-to-alls of the same phase.
+micro-batch's for ZeRO 0/1, each micro-batch's for ZeRO 2/3) and the shared experts'
+forward compute behind the forward dispatch all-to-all (what the layer overlaps).
 
 Per micro-batch [vocab, tp>1]: the vocab-parallel embedding's all-reduce T·D·b forward (SP:
 reduce-scatter), the output layer's input-gradient all-reduce T·D·b backward (SP: gather +
@@ -323,16 +323,16 @@ class StepCost:
 
     @property
     def hidden_shared_experts(self) -> float:
-        """Shared experts' compute behind the MoE all-to-alls of the same phase (per step)."""
+        """Shared experts' forward compute behind the forward dispatch all-to-all (and the
+        dedup side message), per step: what the layer overlaps (``overlap_shared_experts``:
+        it computes them while that all-to-all is in flight); the combine and the backward
+        run in order."""
         s = self.spec
         if not s.shared_experts or self.layout.ep == 1:
             return 0.0
-        shared = 6 * s.tokens * self.params.shared / self.layout.tp / self.rate   # per layer, fwd + bwd
-        hidden = 0.0
-        for phase, share in (("fwd", FWD_SHARE), ("bwd", BWD_SHARE)):
-            a2a = sum(c.total_seconds for c in self.layer if c.phase == phase and c.op == "all_to_all")
-            hidden += min(a2a, shared * share)
-        return hidden * s.layers * s.micro_batches
+        shared_fwd = 2 * s.tokens * self.params.shared / self.layout.tp / self.rate   # per layer
+        a2a = sum(c.total_seconds for c in self.layer if c.name in ("MoE dispatch", "MoE dedup side"))
+        return min(a2a, shared_fwd) * s.layers * s.micro_batches
 
     @property
     def step_time_overlapped(self) -> float:
