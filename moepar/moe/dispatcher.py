@@ -34,12 +34,11 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 
 from moepar_kernels.permute_checks import check_permute_args
 
 from ..parallel import comm
-from . import plan as planning
+from . import cpu, plan as planning
 from .dedup import DEDUP_MAX_FRACTION, dedup_rows
 from .exchange import FORMS, Call, DedupMeta, Meta, PaddedMeta, Routes, SourceMajorMeta
 from .guard import check_receive_capacity_factor, guard_drops
@@ -177,8 +176,8 @@ class Dispatcher:
         vote = self._dedup_vote(call, routes.expert_ids_TK)
         x = routes.x_TD
         # A CUDA tensor never enters cpu.py: source-major rows pay only on gloo.
-        on_cpu = self.source_major and x.device.type == "cpu" and call.topo.etp == 1 and L > 1 and call.topo.ep > 1
-        forms = SOURCE_MAJOR if on_cpu and dist.get_backend(call.topo.ep_group) == "gloo" else 0
+        on_cpu = self.source_major and x.device.type == "cpu" and call.topo.etp == 1 and call.topo.ep > 1
+        forms = SOURCE_MAJOR if on_cpu and cpu.source_major_pays(call.topo.ep_group, L) else 0
         contribution = Contribution(
             counts_E=counts_E, hidden=x.shape[1], dtype=dtype_code(x.dtype), tokens=tokens, forms=forms,
             flags={**(flags or {}), "bad_ids": bad_R.sum()}, dedup_vote=vote,

@@ -3,16 +3,11 @@
 Legend: T tokens (all leading dims of x flattened), D hidden, F expert ffn, E experts,
 K top-k, L = E/ep local experts.
 
-Collectives per layer (b = activation bytes; R = routes this rank dispatches = (T/tp)*K
-dropless, E*C/tp*... rows padded): see docs/moe.md for the table the cost model prices.
-  forward : [ep>1] counts all-to-all (tiny) + token all-to-all R*D*b, [etp>1] all-gather
-            etp*M*D*b, [etp>1] reduce-scatter etp*M*D*b, [ep>1] token all-to-all back,
-            [tp>1, not SP] all-gather of the outputs T*D*b, [shared, tp>1] all-reduce T*D*b
-  backward: the mirrors: 2 token all-to-alls, [etp>1] reduce-scatter + all-gather,
-            [tp>1, not SP] all-gather of dX (T*D*b) and of d(weights) (T*K*4),
-            [shared, tp>1] all-reduce of dX.
-  dedup (MoEConfig.dedup): token all-to-alls of f*R*D*b plus a side all-to-all of
-            f*R*2K*4 each way (f = rows per route: one row per token and destination rank).
+The forward reads as its steps (docs/moe.md numbers them; the collectives and their bytes
+are the table there, which the cost model prices): route, dispatch (the counts all-gather
+over the layer's MoE block, its one host read, then the token all-to-all with the shared
+experts computed while it is in flight), the experts, combine. Nothing here reaches wider
+than the block: a bad input raises on every rank of the block, in the counts exchange.
 """
 from __future__ import annotations
 
