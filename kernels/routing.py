@@ -345,7 +345,8 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
                       scaling_factor: float = 1.0, *, num_groups: int | None = None,
                       topk_groups: int | None = None, group_topn: int | None = None,
                       selection_noise_TE: Optional[torch.Tensor] = None,
-                      scores_TE: Optional[torch.Tensor] = None, bad_T: Optional[torch.Tensor] = None
+                      scores_TE: Optional[torch.Tensor] = None, bad_T: Optional[torch.Tensor] = None,
+                      ids_TK: Optional[torch.Tensor] = None,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch routing with the kernel's semantics (autograd through the weights).
 
@@ -355,7 +356,8 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
     for selection only (Gumbel "rsample" noise); the weights use the clean logits.
     A caller that already has them may pass ``scores_TE`` (softmax or sigmoid of the fp32
     logits, in the autograd graph; not for softmax_after_topk) and ``bad_T`` (the rows with a
-    non-finite logit) to save recomputing them.
+    non-finite logit) to save recomputing them. ``ids_TK`` [T, k]: the selection, given (a
+    recompute replaying its forward's routing): only the weights are computed.
     """
     _check(logits_TE, k, score_func, expert_bias_E)
     x = logits_TE.float()
@@ -366,22 +368,27 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
     xs = x if selection_noise_TE is None else x + selection_noise_TE.float()
     if scores_TE is None and score_func != "softmax_after_topk":
         scores_TE = _scores(x, score_func)
-    if expert_bias_E is not None or num_groups is not None:
+    if ids_TK is not None:
+        if ids_TK.shape != (T, k):
+            raise ValueError(f"replayed ids_TK has shape {tuple(ids_TK.shape)}, expected ({T}, {k})")
+    elif expert_bias_E is not None or num_groups is not None:
         aff = xs if score_func == "softmax_after_topk" else (
             scores_TE if selection_noise_TE is None else _scores(xs, score_func))
         aff = aff.detach()
         if expert_bias_E is not None:
             aff = aff + expert_bias_E.float()
         aff = _sanitize(torch.where(bad_T[:, None], torch.zeros_like(aff), aff) if any_bad else aff)
-    # Bad rows: all keys equal, so they take experts 0..K-1 (their weights become NaN).
-    if expert_bias_E is None:
-        key = torch.where(bad_T[:, None], torch.zeros_like(xs), xs) if any_bad else xs
-    else:
-        key = aff
-    if num_groups is not None:
-        keep = _group_mask(aff, k, num_groups, topk_groups if topk_groups is not None else num_groups, group_topn)
-        key = torch.where(keep, key, torch.full_like(key, float("-inf")))
-    ids_TK = _topk_lowest_index(key.detach(), k)
+    if ids_TK is None:
+        # Bad rows: all keys equal, so they take experts 0..K-1 (their weights become NaN).
+        if expert_bias_E is None:
+            key = torch.where(bad_T[:, None], torch.zeros_like(xs), xs) if any_bad else xs
+        else:
+            key = aff
+        if num_groups is not None:
+            keep = _group_mask(aff, k, num_groups, topk_groups if topk_groups is not None else num_groups,
+                               group_topn)
+            key = torch.where(keep, key, torch.full_like(key, float("-inf")))
+        ids_TK = _topk_lowest_index(key.detach(), k)
     if score_func == "softmax_after_topk":
         w = torch.softmax(x.gather(1, ids_TK), dim=-1)
     else:
@@ -391,7 +398,7 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
     w = w * scaling_factor
     if any_bad:
         w = torch.where(bad_T[:, None], torch.full_like(w, float("nan")), w)
-    if _compiling():   # bincount's output size depends on the data: a graph break
+    if _compiling() or x.device.type != "cpu":   # bincount: a graph break, a host read on CUDA
         hist_E = torch.zeros(E, dtype=torch.int64, device=x.device).scatter_add_(
             0, ids_TK.reshape(-1), torch.ones(T * k, dtype=torch.int64, device=x.device))
     else:

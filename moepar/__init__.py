@@ -16,11 +16,11 @@ from .moe.load_report import LoadReport, load_report
 from .moe.router import RouterConfig, Routing, TopKRouter
 from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
                        allreduce_gradients, clip_grad_norm_, destroy_parallel, fully_shard, get_parallel_state,
-                       init_parallel, vocab_parallel_cross_entropy)
+                       grad_norm, init_parallel, vocab_parallel_cross_entropy)
 
 __version__ = "0.1.0"
 __all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "load_report", "LoadReport", "TopKRouter",
            "Routing", "GroupedExperts", "ColumnParallelLinear", "ParallelState", "RowParallelLinear",
-           "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "destroy_parallel", "fully_shard",
+           "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",
            "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "release_cpu_buffers",
            "cpu_buffer_stats"]

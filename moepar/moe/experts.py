@@ -254,17 +254,19 @@ class GroupedExperts(nn.Module):
             counts = self._counts(tokens_per_expert, x_ND)
         return ExpertsFunction.apply(x_ND, *params, counts, counts_dev, path, self._act, None)
 
-    def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert) -> torch.Tensor:
-        """``y_ND`` plus b2 on each expert's row block (a no-op without bias). For the
-        etp > 1 caller, after it has reduced the partial sums. ``tokens_per_expert``: a tensor
-        on y's device (nothing read to the host) or a list."""
+    def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert, scale: float = 1.0) -> torch.Tensor:
+        """``y_ND`` plus ``scale`` x b2 on each expert's row block (a no-op without bias). For
+        the etp > 1 caller, whose ranks' partial sums are reduced afterwards (scale 1 on one
+        rank, 0 on the others). ``tokens_per_expert``: a tensor on y's device (nothing read to
+        the host) or a list."""
         if self.b2 is None:
             return y_ND
         if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device == y_ND.device:
             reps = tokens_per_expert
         else:
             reps = torch.tensor(self._counts(tokens_per_expert, y_ND), dtype=torch.int64, device=y_ND.device)
-        return y_ND + torch.repeat_interleave(self.b2, reps, dim=0, output_size=y_ND.shape[0])
+        b2 = self.b2 if scale == 1.0 else self.b2 * scale
+        return y_ND + torch.repeat_interleave(b2, reps, dim=0, output_size=y_ND.shape[0])
 
     def extra_repr(self) -> str:
         return (f"num_local_experts={self.num_local_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "

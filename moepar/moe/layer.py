@@ -27,6 +27,7 @@ from .dispatcher import Dispatcher
 from .experts import GroupedExperts
 from .guard import GroupLoad
 from .layer_options import SharedExpertGate, routes_as_rows, sum_routes
+from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, tapped
 from .router import TopKRouter
 
 
@@ -157,8 +158,11 @@ class MoE(nn.Module):
                                      stats=self._stats.comm, dedup=cfg.dedup,
                                      receive_capacity_factor=cfg.receive_capacity_factor,
                                      source_major=cfg.cpu_source_major, padded=cfg.router.pad_to_capacity)
-        self.aux_loss: torch.Tensor | None = None
-        self.z_loss: torch.Tensor | None = None
+        self._losses: dict[str, torch.Tensor | None] = {"aux": None, "z": None}
+        # Set when the last forward ran under no_grad in training (the reentrant checkpoint's
+        # forward): the losses are then read through taps (moepar.moe.recompute).
+        self._loss_cell: LossCell | None = None
+        self._replay = Replay()
 
     @staticmethod
     def _check_layout(cfg: MoEConfig, state: ParallelState) -> None:
@@ -171,13 +175,39 @@ class MoE(nn.Module):
                              f"parallel state's expert_tensor_parallel_size={state.etp_size}")
 
     @property
+    def aux_loss(self) -> torch.Tensor | None:
+        """The last forward's load-balancing loss (already x aux_loss_coeff), in the graph."""
+        return self._loss("aux")
+
+    @property
+    def z_loss(self) -> torch.Tensor | None:
+        """The last forward's router z-loss (already x z_loss_coeff), in the graph."""
+        return self._loss("z")
+
+    def _loss(self, name: str) -> torch.Tensor | None:
+        value, cell = self._losses[name], self._loss_cell
+        if value is None or cell is None or not torch.is_grad_enabled():
+            return value
+        return tapped(value, cell, name)
+
+    def train(self, mode: bool = True):
+        if not mode:   # routings kept for a reentrant recompute that evaluation will not run
+            self._replay.clear_detached()
+        return super().train(mode)
+
+    @property
     def stats(self) -> MoEStats:
         """Tokens per expert, dropped routes and the collectives of the last forward/backward."""
         return self._stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., hidden] -> [..., hidden]``; the steps, each named in docs/moe.md."""
-        self._stats.comm.reset()
+        """``[..., hidden] -> [..., hidden]``; the steps, each named in docs/moe.md. A call
+        from inside a backward is an activation recompute: it routes as its forward did and
+        counts nothing (moepar.moe.recompute)."""
+        traced = torch.compiler.is_compiling()   # a traced graph keeps no Python-side records
+        recompute = not traced and in_recompute()
+        if not recompute:
+            self._stats.comm.reset()
         error = self._input_error(x)
         # A rank whose input is invalid routes an empty batch instead, so that it still meets
         # its peers in every collective up to the counts exchange, where they all raise.
@@ -185,7 +215,11 @@ class MoE(nn.Module):
         flags = {}
         if self.config.check_finite and error is None:
             flags["nonfinite_input"] = (~torch.isfinite(x_TD)).sum()
-        routing = self.router(x_TD, stats_group=self._aux_group(), defer_checks=True)      # 1. route
+        record = self._replay.take(x_TD.shape[0]) if recompute and self.training else None
+        routing = self.router(x_TD, stats_group=self._aux_group(), defer_checks=True,        # 1. route
+                              replay=record, count=not recompute)
+        if self.training and not recompute and not traced:
+            routing = self._keep_routing(routing, x_TD.shape[0])
         if routing.nonfinite is not None:
             flags["nonfinite_logits"] = routing.nonfinite
         x_rows, ids, dropped, w = self._dispatched_rows(x_TD, routing)
@@ -203,8 +237,20 @@ class MoE(nn.Module):
             shared_TD = self.shared(x_TD, self._sequence_sizes(meta.tp_tokens))
         if shared_TD is not None:
             y_TD = y_TD + shared_TD
-        self._record(routing, meta)
+        if not recompute:
+            self._record(routing, meta)
+        elif record is not None and record.cell is not None:
+            aux, z = self._scaled_losses(routing)
+            y_TD = attach_losses(y_TD, aux, z, record.cell)
         return y_TD.reshape(x.shape)
+
+    def _keep_routing(self, routing, tokens: int):
+        """Keep this training forward's routing for a recompute; under no_grad (the reentrant
+        checkpoint's forward) with a cell that will carry its losses' gradient."""
+        cell = None if torch.is_grad_enabled() else LossCell()
+        record = Record(tokens, routing.expert_ids, routing.dropped, routing.noise_rng, cell)
+        self._loss_cell = cell
+        return dataclasses.replace(routing, weights=self._replay.keep(record, routing.weights))
 
     def _input_error(self, x: torch.Tensor) -> str | None:
         """What is wrong with ``x`` here, on the host (no data read), or None."""
@@ -241,7 +287,7 @@ class MoE(nn.Module):
     def _run_experts(self, x_local: torch.Tensor, meta) -> torch.Tensor:
         """Step 5: the local experts on the received rows (expert-major, or the source-major
         blocks that ``meta.segments`` names); with expert TP the partial sums are reduced in
-        ``combine``, so the output bias is added once, on ETP rank 0."""
+        ``combine``, so the output bias counts once, from ETP rank 0."""
         segments = getattr(meta, "segments", None)
         if segments is not None:
             args, kw = (x_local, segments[1], segments[0]), {}
@@ -251,19 +297,21 @@ class MoE(nn.Module):
             y_local = torch.utils.checkpoint.checkpoint(self.experts, *args, use_reentrant=False, **kw)
         else:
             y_local = self.experts(*args, **kw)
-        if self.etp > 1 and self.state.etp_rank == 0:
-            y_local = self.experts.add_output_bias(y_local, meta.counts_dev)
+        if self.etp > 1:
+            # Every expert-TP rank adds its copy of b2, rank 0 with weight 1 and the others
+            # with 0: the reduction of the partial sums adds it once, and b2 has a gradient
+            # on every rank (zero off rank 0). A parameter used on some ranks only would be
+            # left out of FSDP2's reduce-scatter there: mismatched collectives, a hang.
+            y_local = self.experts.add_output_bias(y_local, meta.counts_dev,
+                                                   scale=1.0 if self.state.etp_rank == 0 else 0.0)
         return y_local
 
     def _record(self, routing, meta) -> None:
         """The losses and statistics of this forward."""
-        self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
-        if self.aux_loss_scope == "global" and self.state.dp_size > 1:
-            # Each replica back-propagates only its own tokens' share of the global loss and
-            # allreduce_gradients averages over dp: scale the share by dp so the result is
-            # the gradient of the global-batch loss (the forward value is unchanged).
-            self.aux_loss = _scale_grad(self.aux_loss, self.state.dp_size)
-            self.z_loss = _scale_grad(self.z_loss, self.state.dp_size)
+        if not self.training:
+            self._loss_cell = None
+        aux, z = self._scaled_losses(routing)
+        self._losses = {"aux": aux, "z": z}
         self._stats.tokens_per_expert = routing.tokens_per_expert.detach()
         self._stats.routes = routing.expert_ids.numel()
         self._stats.capacity_dropped = routing.dropped.sum().detach()
@@ -271,6 +319,16 @@ class MoE(nn.Module):
         self._stats.exchange_form = meta.form
         guard = 0 if meta.load is None else meta.load.guard_dropped
         self._stats.dropped = self._stats.capacity_dropped + guard if guard else self._stats.capacity_dropped
+
+    def _scaled_losses(self, routing):
+        """The aux and z losses as the user's loss takes them."""
+        aux, z = routing.aux_loss, routing.z_loss
+        if self.aux_loss_scope == "global" and self.state.dp_size > 1:
+            # Each replica back-propagates only its own tokens' share of the global loss and
+            # allreduce_gradients averages over dp: scale the share by dp so the result is
+            # the gradient of the global-batch loss (the forward value is unchanged).
+            aux, z = _scale_grad(aux, self.state.dp_size), _scale_grad(z, self.state.dp_size)
+        return aux, z
 
     def _sequence_sizes(self, tp_tokens) -> list[int] | None:
         """Under sequence parallelism with TP, every TP rank's token count (from the counts

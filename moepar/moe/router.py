@@ -11,6 +11,7 @@ z statistics cover this rank's tokens, or the union over ``stats_group`` when gi
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 from fractions import Fraction
@@ -22,6 +23,8 @@ from torch import nn
 
 from moepar.parallel import comm
 from moepar_kernels import routing as _rk
+
+from .recompute import Record, rng_replayed, rng_state
 
 SCORE_FUNCS = ("softmax", "softmax_after_topk", "sigmoid")
 NOISY_GATE_POLICIES = (None, "jitter", "rsample")
@@ -46,6 +49,9 @@ class Routing:
     # nonfinite="raise" with the check deferred to the caller (``defer_checks``): the number
     # of tokens with non-finite logits, a device scalar the caller raises on; else None.
     nonfinite: Optional[torch.Tensor] = None
+    # The generator state the noisy gate drew from (training with a noisy_gate_policy), kept
+    # so that a recompute redraws the same noise (moepar.moe.recompute); else None.
+    noise_rng: Optional[torch.Tensor] = None
 
 
 def _positive_int(name: str, value) -> None:
@@ -337,27 +343,40 @@ class TopKRouter(nn.Module):
         return (f"hidden={c.hidden}, num_experts={c.num_experts}, k={c.k}, score_func={c.score_func!r}, "
                 f"capacity_factor={c.capacity_factor}, aux_loss={c.aux_loss!r}")
 
-    def forward(self, x_TD: torch.Tensor, *, stats_group=None, defer_checks: bool = False) -> Routing:
+    def forward(self, x_TD: torch.Tensor, *, stats_group=None, defer_checks: bool = False,
+                replay: Optional[Record] = None, count: bool = True) -> Routing:
         """Route ``x_TD`` [T, D]; ``stats_group`` sums the aux/z statistics over a group.
         ``defer_checks``: with nonfinite="raise", count the non-finite tokens on the device
         (``Routing.nonfinite``) instead of reading them here: the MoE layer sends the count in
-        its counts exchange, so that every rank raises together, with no host read of its own."""
+        its counts exchange, so that every rank raises together, with no host read of its own.
+        ``replay``: a recompute's record of its forward (moepar.moe.recompute): the same ids
+        and drops, the noise redrawn from the same state. ``count``: add this forward's
+        routes to ``load_accum`` (False in a recompute)."""
         if x_TD.dim() != 2 or x_TD.shape[1] != self.config.hidden:
             raise ValueError(f"router input must be [T, hidden={self.config.hidden}], got {tuple(x_TD.shape)}")
-        x = x_TD.float()
-        if self.training and self.config.noisy_gate_policy == "jitter":
-            eps = self.config.noise_eps
-            x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        bias = None if self.bias is None else self.bias.float()
-        logits_TE = F.linear(x, self.weight.float(), bias)
-        return self._route(logits_TE, stats_group, defer_checks)
+        noisy = self.training and self.config.noisy_gate_policy is not None
+        noise_rng = None
+        if noisy and replay is not None and replay.noise_rng is not None:
+            draws = rng_replayed(x_TD.device, replay.noise_rng)
+        else:
+            draws = contextlib.nullcontext()
+            noise_rng = rng_state(x_TD.device) if noisy else None
+        with draws:
+            x = x_TD.float()
+            if noisy and self.config.noisy_gate_policy == "jitter":
+                eps = self.config.noise_eps
+                x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
+            bias = None if self.bias is None else self.bias.float()
+            logits_TE = F.linear(x, self.weight.float(), bias)
+            routing = self._route(logits_TE, stats_group, defer_checks, replay, count)
+        return dataclasses.replace(routing, noise_rng=noise_rng) if noise_rng is not None else routing
 
     def route_logits(self, logits_TE: torch.Tensor, *, stats_group=None) -> Routing:
         """Route precomputed logits [T, E] (cast to fp32); no gate linear, no jitter."""
         if logits_TE.dim() != 2 or logits_TE.shape[1] != self.config.num_experts:
             raise ValueError(f"logits must be [T, num_experts={self.config.num_experts}], "
                              f"got {tuple(logits_TE.shape)}")
-        return self._route(logits_TE.float(), stats_group, False)
+        return self._route(logits_TE.float(), stats_group, False, None, True)
 
     def _use_kernel(self, logits_TE: torch.Tensor) -> bool:
         cfg = self.config
@@ -365,7 +384,7 @@ class TopKRouter(nn.Module):
             return cfg.use_kernel   # True was checked against kernel_gap() at construction
         return logits_TE.is_cuda and not cfg.kernel_gap(self.training)
 
-    def _route(self, logits_TE: torch.Tensor, stats_group, defer_checks: bool) -> Routing:
+    def _route(self, logits_TE: torch.Tensor, stats_group, defer_checks: bool, replay, count: bool) -> Routing:
         cfg = self.config
         T, E = logits_TE.shape
         bad_T = _rk.nonfinite_rows(logits_TE)
@@ -381,20 +400,24 @@ class TopKRouter(nn.Module):
             noise_TE = -torch.log(-torch.log(u))
         args = (logits_TE, cfg.k, cfg.score_func, self.expert_bias, cfg.normalize, cfg.scaling_factor)
         scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
-        if noise_TE is None and self._use_kernel(logits_TE):
+        if noise_TE is None and replay is None and self._use_kernel(logits_TE):
             ids_TK, w_TK, hist_E = _rk.routing(*args)
         else:
-            # The reference reuses the scores (one softmax, one backward through it) and bad_T.
+            # The reference reuses the scores (one softmax, one backward through it) and bad_T;
+            # a replay gives it the forward's ids instead of selecting.
             ids_TK, w_TK, hist_E = _rk.routing_reference(
                 *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, group_topn=cfg.group_topn,
                 selection_noise_TE=noise_TE,
-                scores_TE=scores_TE if cfg.score_func != "softmax_after_topk" else None, bad_T=bad_T)
+                scores_TE=scores_TE if cfg.score_func != "softmax_after_topk" else None, bad_T=bad_T,
+                ids_TK=None if replay is None else replay.ids_TK)
         capacity = cfg.capacity(T, self.training)
         if capacity is None:
             dropped_TK = torch.zeros_like(ids_TK, dtype=torch.bool)
             kept_E = hist_E
         else:
-            if cfg.expert_capacity is not None and cfg.seq_len is not None:
+            if replay is not None:
+                dropped_TK = replay.dropped_TK
+            elif cfg.expert_capacity is not None and cfg.seq_len is not None:
                 # Per-sequence slots (Switch Transformers' expert_capacity): sequence b's
                 # routes to expert e rank in their own bin b*E + e, [T, K] ids in [0, B*E).
                 seq_T = torch.arange(T, device=ids_TK.device) // cfg.seq_len
@@ -408,7 +431,7 @@ class TopKRouter(nn.Module):
             kept_E = torch.zeros(E, dtype=torch.int64, device=ids_TK.device).scatter_add_(
                 0, ids_TK.reshape(-1), (~dropped_TK).reshape(-1).long())
         aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group)
-        if self.training and cfg.expert_bias:
+        if self.training and cfg.expert_bias and count:
             with torch.no_grad():
                 self.load_accum += hist_E
         return Routing(ids_TK, w_TK, dropped_TK, kept_E, aux, z, scores_TE, capacity, nonfinite)
