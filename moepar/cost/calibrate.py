@@ -270,7 +270,7 @@ def calibrate(sizes: Sequence[int] | None = None, group_sizes: Sequence[int] | N
     row_passes = calibrate_row_passes([s for s in sizes if s <= 16 * MiB][::2] or sizes[:1], repeats, warmup,
                                       tdtype, dev)
     if log and rank == 0:
-        log(f"local row passes (permute + unpermute): {row_passes['latency'] * 1e6:.1f} us + "
+        log(f"local row passes (permute, regroup and back, unpermute): {row_passes['latency'] * 1e6:.1f} us + "
             f"{row_passes['bytes_per_s'] / 1e9:.3g} GB/s of routed rows")
     backend = dist.get_backend()
     link = fit_link(curves, f"{backend} measured")
@@ -292,30 +292,40 @@ ROW_PASS_D, ROW_PASS_K, ROW_PASS_E = 256, 2, 4
 
 
 def row_pass_fn(nbytes: int, dtype: torch.dtype, dev: torch.device) -> Callable[[], object]:
-    """The dispatcher's local passes over ``nbytes`` of routed rows (N = T·K rows of D):
-    the expert-major permute (gather) and the weighted unpermute (scatter-combine) of
-    moepar_kernels, on uniform random top-K routing; no communication."""
+    """The dispatcher's local passes over ``nbytes`` of routed rows (N = T·K rows of D), as a
+    dispatch + combine with L = 2 local experts per rank runs them, without communication:
+    the expert-major permute (gather), the regroup of the received (source, local expert)
+    blocks to expert-major (``exchange.regroup_index`` and a gather), its inverse after the
+    experts, and the weighted unpermute (scatter-combine); uniform random top-K routing."""
     from moepar_kernels.permute import permute, unpermute
+
+    from ..moe.exchange import regroup_index
     elem = torch.empty((), dtype=dtype).element_size()
     T = max(1, nbytes // (ROW_PASS_K * ROW_PASS_D * elem))
     gen = torch.Generator().manual_seed(T)
     x = torch.randn(T, ROW_PASS_D, generator=gen).to(dtype=dtype, device=dev)
     ids = torch.rand(T, ROW_PASS_E, generator=gen).argsort(-1)[:, :ROW_PASS_K].to(dev)
     w = torch.full((T, ROW_PASS_K), 1.0 / ROW_PASS_K, device=dev)
+    # The permuted rows stand for the received ones: 2 senders x 2 local experts.
+    counts_SL = torch.bincount(ids.reshape(-1), minlength=ROW_PASS_E).view(2, ROW_PASS_E // 2)
 
     def fn():
         x_ND, _, row_map = permute(x, ids, None, ROW_PASS_E)
-        return unpermute(x_ND, row_map, w, T)
+        idx, inv = regroup_index(counts_SL, x_ND.shape[0])
+        y_ND = x_ND.index_select(0, idx).index_select(0, inv)
+        return unpermute(y_ND, row_map, w, T)
     return fn
 
 
 def calibrate_row_passes(sizes: Sequence[int], repeats: int, warmup: int, dtype: torch.dtype,
                          dev: torch.device) -> dict:
-    """Seconds of one permute + unpermute against the rows' bytes, every rank at once (as in
-    a dispatch); a line ``latency + bytes / bytes_per_s`` fitted as the collectives are."""
+    """Seconds of the local passes of one dispatch + combine (``row_pass_fn``) against the
+    rows' bytes, every rank at once (as in a dispatch); a line ``latency + bytes /
+    bytes_per_s`` fitted as the collectives are."""
     secs = time_interleaved([row_pass_fn(s, dtype, dev) for s in sizes], repeats, warmup, dev)
     alpha, beta = fit_alpha_beta(sizes, secs)
-    return {"what": "moepar_kernels permute + weighted unpermute of N = T·K rows (K=2), all ranks at once",
+    return {"what": "moepar_kernels permute, regroup (2 senders x 2 local experts) and back, weighted "
+                    "unpermute of N = T·K rows (K=2), all ranks at once",
             "latency": alpha, "bytes_per_s": 1.0 / beta if beta > 0 else float("inf"),
             "sizes": list(sizes), "seconds": secs}
 

@@ -6,7 +6,8 @@ an EP group of n ranks with uniform random top-k routing, and compares it with w
 cost model prices for the same layer: the counts all-gather
 (``counts_message.message_bytes``) and two token all-to-alls of R·D·b, plus the
 dispatcher's local passes over the R = T·K rows
-(the permute before and the weighted unpermute after), priced with the memory-bandwidth
+(the permute before, the regroup of the received blocks by local expert and its inverse,
+the weighted unpermute after), priced with the memory-bandwidth
 line ``calibrate`` fits to exactly those passes (``row_pass_seconds``; profiles without
 it price communication only). Rows carry op "moe_dispatch" to keep their error apart from
 the plain collectives' medians.
