@@ -2,6 +2,14 @@
 
     python examples/train_gpt_moe.py                         # one process
     torchrun --nproc_per_node=4 examples/train_gpt_moe.py --tp 2 --ep 2
+    torchrun --nproc_per_node=4 --max-restarts=3 examples/train_gpt_moe.py --tp 2 --ep 2 \
+        --checkpoint-every 50 --resume auto --timeout-seconds 300   # survives a lost rank
+
+A collective that waits on a dead or stalled peer fails after ``--timeout-seconds`` (every
+process group's timeout: the world's through ``init_process_group(timeout=...)``, moepar's
+through ``init_parallel(timeout=...)``) with an error naming the op and the group, and the
+process exits 1; torchrun then restarts the job, which resumes from the newest complete
+checkpoint with ``--resume auto`` (docs/faults.md).
 
 gloo on CPU and NCCL on GPU are chosen automatically (bf16 autocast on GPU). The default
 data is the Python standard library's source (byte-level); ``--data PATH`` for your own.
@@ -18,6 +26,7 @@ import math
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -28,6 +37,7 @@ if __package__ in (None, ""):  # run as a script: make `examples` importable
 import moepar  # noqa: E402
 from moepar import checkpoint  # noqa: E402
 from moepar.parallel import comm  # noqa: E402
+from moepar.parallel.faults import DEFAULT_TIMEOUT, init_distributed  # noqa: E402
 
 from examples.data import Batches, load_corpus  # noqa: E402
 from examples.gpt_moe import GPT, GPTConfig  # noqa: E402
@@ -79,7 +89,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--out", default="runs/gpt_moe")
     g.add_argument("--checkpoint-dir", default=None, help="default: <out>/checkpoints")
     g.add_argument("--checkpoint-every", type=int, default=0, help="0: only at the end")
-    g.add_argument("--resume", action="store_true", help="continue from the latest checkpoint")
+    g.add_argument("--resume", nargs="?", const="auto", default=None, metavar="auto|PATH",
+                   help="'auto' (or the flag alone): continue from the newest complete checkpoint under "
+                        "--checkpoint-dir if there is one, else start fresh (for torchrun --max-restarts); "
+                        "PATH: from that checkpoint directory")
+    g.add_argument("--timeout-seconds", type=float, default=DEFAULT_TIMEOUT.total_seconds(),
+                   help="how long a collective waits for a peer before failing (every process group); "
+                        "default %(default).0f")
     g.add_argument("--sample-tokens", type=int, default=200)
     g.add_argument("--hardware", default=None, help="hardware preset or calibrated profile for the cost report")
     g.add_argument("--time-peer-wait", action="store_true",
@@ -89,11 +105,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def setup_distributed() -> torch.device:
-    """Join the torchrun world (if any): NCCL on GPU, gloo on CPU."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
+def setup_distributed(timeout_seconds: float = DEFAULT_TIMEOUT.total_seconds()) -> torch.device:
+    """Join the torchrun world (if any): NCCL on GPU, gloo on CPU, with a rendezvous that
+    survives torchrun's restarts and the world group's timeout."""
+    init_distributed(timeout=timeout_seconds)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
@@ -116,7 +131,8 @@ def _mean_over_dp(value: torch.Tensor, state) -> float:
 
 
 def build(args, device):
-    state = moepar.init_parallel(args.tp, args.ep, args.etp, seed=args.seed, verbose=not args.quiet)
+    state = moepar.init_parallel(args.tp, args.ep, args.etp, seed=args.seed, verbose=not args.quiet,
+                                 timeout=args.timeout_seconds)
     cfg = GPTConfig(context=args.context, layers=args.layers, hidden=args.hidden, heads=args.heads,
                     experts=args.experts, topk=args.topk, moe_every=args.moe_every,
                     expert_ffn=args.expert_ffn, dense_ffn=args.dense_ffn, capacity_factor=args.capacity_factor,
@@ -153,7 +169,7 @@ def _autocast(device):
 
 def train(args) -> dict:
     """Run training; returns the metrics dict (also written to <out>/metrics.json by rank 0)."""
-    device = setup_distributed()
+    device = setup_distributed(args.timeout_seconds)
     corpus = load_corpus(args.data, args.context)
     state, cfg, model, opt = build(args, device)
     rank0 = state.rank == 0
@@ -168,8 +184,10 @@ def train(args) -> dict:
     metrics = {"args": vars(args), "losses": [], "val": [], "aux": [], "dropped": [], "tokens_per_s": [],
                "comm_seconds": {}, "compute_seconds": 0.0}
     start = 0
-    if args.resume and (path := checkpoint.latest_checkpoint(ckpt_dir)):
-        extra = checkpoint.load(path, model, opt, extra_keys=("step", "metrics"), state=state)
+    if path := _resume_path(args, ckpt_dir):
+        # Model, optimizer (its lr included), metrics and every RNG stream; the data and the
+        # lr schedule are functions of the step.
+        extra = checkpoint.load(path, model, opt, extra_keys=("step", "metrics"), state=state, rng=True)
         start, metrics = extra["step"], extra["metrics"]
         metrics["resumed_at"] = start
         log(f"resumed from {path} (step {start})")
@@ -231,6 +249,16 @@ def train(args) -> dict:
     metrics["received_rows"] = received_rows
     _finish(args, cfg, state, model, metrics, all_events, device, log)
     return metrics
+
+
+def _resume_path(args, ckpt_dir: str) -> str | None:
+    if args.resume in (None, "never"):
+        return None
+    if args.resume == "auto":
+        return checkpoint.latest_checkpoint(ckpt_dir)   # None: a fresh start
+    if not os.path.isdir(args.resume):
+        raise ValueError(f"--resume {args.resume!r}: no such checkpoint directory")
+    return args.resume
 
 
 def _watch_expert_rows(model) -> dict:
@@ -354,9 +382,19 @@ def main(argv: list[str] | None = None) -> int:
         train(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
+        moepar.destroy_parallel()
         return 2
-    finally:
-        moepar.destroy_parallel()  # joins every group's threads before the interpreter finalizes
+    except BaseException:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # A peer may be dead or stuck in a collective: a clean teardown (a barrier) would
+            # wait for it. Exit now, non-zero; torchrun restarts the job (--max-restarts).
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        moepar.destroy_parallel()
+        raise
+    moepar.destroy_parallel()  # joins every group's threads before the interpreter finalizes
     return 0
 
 

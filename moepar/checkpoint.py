@@ -28,10 +28,14 @@ a run killed mid-save leaves the previous checkpoint intact.
 """
 from __future__ import annotations
 
+import math
 import os
 import pickle
+import random
 import re
 import shutil
+import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -177,27 +181,141 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> 
     st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
 
+def _rng_key(state: ParallelState) -> str:
+    """This rank's RNG entry. The layout is in the name: RNG streams belong to a rank of one
+    layout, and a load under another layout finds no entry (and keeps its own streams)."""
+    lay = state.layout
+    return f"rng.world{lay.world_size}.tp{lay.tp}.ep{lay.ep}.etp{lay.etp}.rank{state.rank}"
+
+
+def _rng_streams(state: ParallelState) -> dict:
+    """Every RNG stream this rank draws from: torch's CPU generator (the router's noise,
+    dropout), the CUDA device's, the model-parallel tracker's (``fork_model_parallel_rng``),
+    Python's ``random`` and NumPy's global generator if NumPy is loaded."""
+    streams = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        streams["cuda"] = torch.cuda.get_rng_state()
+    if state.rng is not None:
+        streams["tracker"] = (state.rng._cpu, state.rng._cuda)
+    if "numpy" in sys.modules:
+        streams["numpy"] = sys.modules["numpy"].random.get_state()
+    return streams
+
+
+def _set_rng_streams(streams: dict, state: ParallelState) -> None:
+    torch.set_rng_state(streams["torch"])
+    random.setstate(streams["python"])
+    if "cuda" in streams and torch.cuda.is_available():
+        torch.cuda.set_rng_state(streams["cuda"])
+    if "tracker" in streams:
+        if state.rng is None:
+            from .parallel.groups import RNGTracker
+            state.rng = RNGTracker(state.model_parallel_seed)
+        state.rng._cpu, state.rng._cuda = streams["tracker"]
+    if "numpy" in streams:
+        import numpy
+        numpy.random.set_state(streams["numpy"])
+
+
 def save(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra: dict | None = None, state: ParallelState | None = None) -> None:
-    """Write ``model`` (and ``optimizer``, ``extra`` picklable values) to directory ``path``."""
+         extra: dict | None = None, state: ParallelState | None = None, rng: bool = True) -> None:
+    """Write ``model`` (and ``optimizer``, ``extra`` picklable values) to directory ``path``;
+    ``rng``: also every rank's RNG streams (``load(..., rng=True)`` restores them)."""
     state = state if state is not None else get_parallel_state()
     sd = _state_dict(model, optimizer, state, create_optimizer_state=False)
     for key, value in (extra or {}).items():
         sd[f"extra.{key}"] = _pack(value)
+    if rng:
+        sd[_rng_key(state)] = _pack(_rng_streams(state))
     dcp.save(sd, checkpoint_id=path, no_dist=not _distributed())
 
 
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded into this model, raised before anything is loaded;
+    the message names the file (or entry) and what is wrong with it."""
+
+
+def _check(path: str, sd: dict, state: ParallelState) -> None:
+    """Raise CheckpointError unless every entry ``sd`` asks for is in ``path`` with the
+    same global shape, fully covered by the saved shards, and every shard file is there
+    whole. Reads only the metadata and file sizes (every rank the same: all raise alike)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    meta_file = os.path.join(path, ".metadata")
+    if not os.path.isfile(meta_file):
+        raise CheckpointError(f"{meta_file}: missing, so {path} is not a complete checkpoint "
+                              f"(a save that never finished, or not a checkpoint directory)")
+    try:
+        md = dcp.FileSystemReader(path).read_metadata()
+    except Exception as e:
+        raise CheckpointError(f"{meta_file}: unreadable ({type(e).__name__}: {e}); truncated, "
+                              f"or not written by torch.distributed.checkpoint") from e
+    need: dict[str, int] = {}
+    for info in (md.storage_data or {}).values():
+        need[info.relative_path] = max(need.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(need.items()):
+        shard = os.path.join(path, name)
+        if not os.path.isfile(shard):
+            raise CheckpointError(f"{shard}: missing shard (the metadata lists it, with {size} bytes)")
+        if os.path.getsize(shard) < size:
+            raise CheckpointError(f"{shard}: truncated shard, {os.path.getsize(shard)} bytes where "
+                                  f"the metadata needs {size}")
+    saved = md.state_dict_metadata
+    lay = state.layout
+    here = f"world{lay.world_size}.tp{lay.tp}.ep{lay.ep}.etp{lay.etp}"
+    there = next((k[len("rng."):].rsplit(".rank", 1)[0] for k in saved if k.startswith("rng.")), "an unknown layout")
+    extras = [k[len("extra."):] for k in sd if k.startswith("extra.") and k not in saved]
+    if extras:
+        raise CheckpointError(f"{path} has no extra value {extras} (saved keys: "
+                              f"{sorted(k[len('extra.'):] for k in saved if k.startswith('extra.'))})")
+    missing = [k for k in sd if k not in saved and not k.startswith("rng.")]
+    foreign = [k for k in saved if k.startswith("model.") and k not in sd]
+    if missing or foreign:
+        what = (f"has no entry for {len(missing)} of this model's, e.g. {missing[:3]}" if missing else
+                f"has {len(foreign)} parameters this model lacks, e.g. {foreign[:3]}")
+        raise CheckpointError(f"{path} {what}: a checkpoint of another model"
+                              + (" (or one saved without optimizer state)" if missing and all(
+                                  k.startswith("optim.") for k in missing) else ""))
+    for key, value in sd.items():
+        if not (torch.is_tensor(value) or hasattr(value, "to_local")):
+            continue
+        entry = saved[key]
+        if not isinstance(entry, TensorStorageMetadata):
+            raise CheckpointError(f"{path}: {key} is saved as an object, this model has a tensor there")
+        if tuple(entry.size) != tuple(value.shape):
+            raise CheckpointError(f"{path}: {key} has global shape {list(entry.size)} in the checkpoint "
+                                  f"(saved at {there}) but {list(value.shape)} in this model (at {here}): "
+                                  f"a checkpoint of another model configuration")
+        covered = sum(math.prod(c.sizes) for c in entry.chunks)
+        if covered != math.prod(entry.size):
+            raise CheckpointError(f"{path}: the shards of {key} (saved at {there}) hold {covered} of its "
+                                  f"{math.prod(entry.size)} elements, so it cannot be resharded into this "
+                                  f"layout ({here})")
+
+
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-         extra_keys: tuple[str, ...] = (), state: ParallelState | None = None) -> dict:
+         extra_keys: tuple[str, ...] = (), state: ParallelState | None = None, rng: bool = False) -> dict:
     """Load ``path`` into ``model`` (and ``optimizer``) for the current layout; returns the
-    requested ``extra`` values."""
+    requested ``extra`` values. ``rng=True``: also restore this rank's RNG streams, when the
+    checkpoint has them for this layout (else a warning: the run continues exactly only in
+    the layout it was saved in)."""
     state = state if state is not None else get_parallel_state()
     if not os.path.isdir(path):
         raise FileNotFoundError(f"no checkpoint directory at {path!r}")
     sd = _state_dict(model, optimizer, state, create_optimizer_state=True)
     for key in extra_keys:
         sd[f"extra.{key}"] = b""
+    _check(path, sd, state)
+    rng_key = _rng_key(state) if rng else None
+    if rng_key is not None:
+        if rng_key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:
+            sd[rng_key] = b""
+        else:
+            warnings.warn(f"{path}: no RNG streams saved for this layout and rank ({rng_key}); "
+                          f"the RNG streams are left as they are", stacklevel=2)
+            rng_key = None
     dcp.load(sd, checkpoint_id=path, no_dist=not _distributed())
+    if rng_key is not None:
+        _set_rng_streams(_unpack(sd[rng_key]), state)
     # Plain tensors were filled in place; DTensors wrap the parameters' own storage.
     if optimizer is not None:
         for group, saved in zip(optimizer.param_groups, _unpack(sd["optim.param_groups"])):
@@ -215,7 +333,7 @@ _STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
 def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    extra: dict | None = None, state: ParallelState | None = None) -> str:
+                    extra: dict | None = None, state: ParallelState | None = None, rng: bool = True) -> str:
     """Save to ``root/step_<step>`` atomically (temp dir + rename after all ranks wrote)."""
     final = os.path.join(root, f"step_{step}")
     tmp = os.path.join(root, f".tmp_step_{step}")
@@ -225,7 +343,7 @@ def save_checkpoint(root: str, step: int, model: nn.Module, optimizer: torch.opt
         os.makedirs(tmp, exist_ok=True)
     if _distributed():
         dist.barrier()
-    save(tmp, model, optimizer, dict(extra or {}, step=step), state)
+    save(tmp, model, optimizer, dict(extra or {}, step=step), state, rng)
     if _distributed():
         dist.barrier()
     if rank == 0:

@@ -77,6 +77,8 @@ def test_init_without_distributed_is_a_world_of_one(capsys):
     assert (state.world_size, state.tp_size, state.ep_size, state.edp_size) == (1, 1, 1, 1)
     assert state.get_model_parallel_world_size() == 1 and state.get_data_parallel_group() is None
     assert moepar.get_parallel_state() is state
+    assert capsys.readouterr().out == ""            # it prints only when asked
+    init_parallel(seed=7, verbose=True)
     assert "model parallel seed 2725, data parallel seed 7" in capsys.readouterr().out
 
 

@@ -20,6 +20,8 @@ from typing import Callable, Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from .faults import CollectiveError
+
 # Allocates an output: (shape, dtype, device) -> tensor, like torch.empty.
 EmptyFn = Callable[[tuple, torch.dtype, torch.device], torch.Tensor]
 
@@ -134,12 +136,18 @@ def _timed(op: str, group, nbytes: int, backward: bool, fn, stats: CommStats | N
     wait = 0.0
     if _WAIT_DEPTH[0] > 0:
         t_arrive = time.perf_counter()
-        dist.barrier(group=group)
+        try:
+            dist.barrier(group=group)
+        except RuntimeError as e:
+            raise CollectiveError.of(e, f"barrier before {op}", group, backward, t_arrive) from e
         if sync:
             torch.cuda.synchronize()
         wait = time.perf_counter() - t_arrive
     t0 = time.perf_counter()
-    fn()
+    try:
+        fn()
+    except RuntimeError as e:   # gloo's timeout / peer reset, NCCL's DistBackendError
+        raise CollectiveError.of(e, op, group, backward, t0) from e
     if sync:
         torch.cuda.synchronize()
     event = CommEvent(op, group_size(group), nbytes, time.perf_counter() - t0, backward, wait)
@@ -355,10 +363,14 @@ class Pending:
     def __init__(self) -> None:
         self.work = None
         self._record = None
+        self.group, self.t0 = None, 0.0   # for the error, should the transfer fail
 
     def wait(self) -> None:
         if self.work is not None:
-            self.work.wait()   # NCCL: the current stream waits, the host does not
+            try:
+                self.work.wait()   # NCCL: the current stream waits, the host does not
+            except RuntimeError as e:
+                raise CollectiveError.of(e, "all_to_all", self.group, False, self.t0) from e
             self.work = None
         if self._record is not None:
             self._record(time.perf_counter())
@@ -380,8 +392,12 @@ class _AllToAllAsync(torch.autograd.Function):
             _timed("all_to_all", group, _nbytes(x), False,
                    lambda: dist.all_to_all_single(out, x, out_s, in_s, group=group), stats)
             return out
-        t0 = time.perf_counter()
-        pending.work = dist.all_to_all_single(out, x, out_s, in_s, group=group, async_op=True)
+        t0 = pending.t0 = time.perf_counter()
+        pending.group = group
+        try:
+            pending.work = dist.all_to_all_single(out, x, out_s, in_s, group=group, async_op=True)
+        except RuntimeError as e:
+            raise CollectiveError.of(e, "all_to_all", group, False, t0) from e
         nbytes = _nbytes(x)
 
         def record(t_end: float) -> None:   # launch to completion, overlapped work included

@@ -78,7 +78,7 @@ def _group_of(ranks_lists: list[list[int]], rank: int, cache_key, state: Paralle
     if cache_key not in state.meshes:
         mine = None
         for ranks in ranks_lists:
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, timeout=state.timeout)
             if rank in ranks:
                 mine = g
         state.meshes[cache_key] = mine

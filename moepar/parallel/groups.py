@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import dataclasses
+import datetime
 import gc
 import math
 import sys
@@ -28,6 +29,10 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+
+from .faults import DEFAULT_TIMEOUT, as_timeout
+# The rank arithmetic lives in a torch-free module (the cost model uses it); re-exported here.
+from .layout import Layout, MoeRows, check_positive as _check_positive  # noqa: F401
 
 if dist.is_available():
     # Imported here, before any process group exists, on purpose. torch.distributed.nn.functional
@@ -40,109 +45,6 @@ if dist.is_available():
 
 # Megatron's offset between the data-parallel and the model-parallel seed.
 MODEL_PARALLEL_SEED_OFFSET = 2718
-
-
-def _check_positive(**sizes: int) -> None:
-    for name, value in sizes.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """How ``world_size`` ranks fold into tp/dp (dense) and etp/ep/edp (experts)."""
-
-    world_size: int
-    tp: int = 1
-    ep: int = 1
-    etp: int = 1
-
-    def __post_init__(self) -> None:
-        _check_positive(world_size=self.world_size, tensor_parallel_size=self.tp,
-                        expert_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
-        if self.world_size % self.tp:
-            raise ValueError(
-                f"world_size={self.world_size} is not divisible by tensor_parallel_size={self.tp}: "
-                f"dense layers need world_size = tensor_parallel_size x data_parallel_size")
-        if self.world_size % (self.ep * self.etp):
-            raise ValueError(
-                f"world_size={self.world_size} is not divisible by expert_parallel_size={self.ep} x "
-                f"expert_tensor_parallel_size={self.etp} = {self.ep * self.etp}: expert layers need "
-                f"world_size = ep x etp x expert_data_parallel_size")
-
-    @property
-    def dp(self) -> int:
-        return self.world_size // self.tp
-
-    @property
-    def edp(self) -> int:
-        return self.world_size // (self.ep * self.etp)
-
-    def tp_groups(self) -> list[list[int]]:
-        return [[d * self.tp + t for t in range(self.tp)] for d in range(self.dp)]
-
-    def dp_groups(self) -> list[list[int]]:
-        return [[d * self.tp + t for d in range(self.dp)] for t in range(self.tp)]
-
-    def etp_groups(self) -> list[list[int]]:
-        return [[b * self.etp + t for t in range(self.etp)] for b in range(self.world_size // self.etp)]
-
-    def ep_groups(self) -> list[list[int]]:
-        block = self.ep * self.etp
-        return [[d * block + e * self.etp + t for e in range(self.ep)]
-                for d in range(self.edp) for t in range(self.etp)]
-
-    def edp_groups(self) -> list[list[int]]:
-        block = self.ep * self.etp
-        return [[d * block + j for d in range(self.edp)] for j in range(block)]
-
-    @property
-    def moe(self) -> int:
-        """Ranks in one MoE layer's block: lcm(tp, ep*etp) consecutive ranks, the closure of
-        the TP, EP and ETP groups (every collective of one MoE layer stays inside it)."""
-        return math.lcm(self.tp, self.ep * self.etp)
-
-    def moe_groups(self) -> list[list[int]]:
-        n = self.moe
-        return [list(range(s, s + n)) for s in range(0, self.world_size, n)]
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """This rank's index inside each of its groups."""
-        if not 0 <= rank < self.world_size:
-            raise ValueError(f"rank={rank} is outside the world of {self.world_size} ranks")
-        block = self.ep * self.etp
-        return {"tp": rank % self.tp, "dp": rank // self.tp,
-                "etp": rank % self.etp, "ep": (rank % block) // self.etp, "edp": rank // block,
-                "moe": rank % self.moe}
-
-    def all_groups(self) -> dict[str, list[list[int]]]:
-        return {"tp": self.tp_groups(), "dp": self.dp_groups(), "etp": self.etp_groups(),
-                "ep": self.ep_groups(), "edp": self.edp_groups(), "moe": self.moe_groups()}
-
-    def moe_rows(self, rank: int) -> "MoeRows":
-        """Where ``rank``'s peers sit inside its MoE block (indices into the block's ranks)."""
-        n = self.moe
-        start = rank - rank % n
-        c = self.coords(rank)
-        sub = c["edp"] * self.ep * self.etp - start          # this rank's EP x ETP sub-block
-        ep_rows = tuple(sub + e * self.etp + c["etp"] for e in range(self.ep))
-        tp_rows = tuple(c["dp"] * self.tp + t - start for t in range(self.tp))
-        return MoeRows(rank - start, sub, ep_rows, tp_rows)
-
-
-@dataclasses.dataclass(frozen=True)
-class MoeRows:
-    """A rank's place in its MoE block, as row indices of a block-wide all-gather.
-
-    ``me``: this rank's row; ``sub``: first row of its EP x ETP sub-block, whose rows are
-    ``sub + e*etp + t`` for EP index e and ETP index t (so the rows of ETP peer t's EP group
-    are ``sub + t :: etp``); ``ep_rows``: the rows of this rank's EP group in EP order;
-    ``tp_rows``: the rows of its TP group in TP order."""
-
-    me: int
-    sub: int
-    ep_rows: tuple[int, ...]
-    tp_rows: tuple[int, ...]
 
 
 class RNGTracker:
@@ -197,6 +99,8 @@ class ParallelState:
     # Device meshes (checkpoint, FSDP) and derived groups built on demand over this layout:
     # kept here, not in module globals, so that destroy_parallel() can drop them with the groups.
     meshes: dict[object, object] = dataclasses.field(default_factory=dict)
+    # The groups' timeout (init_parallel's), for the groups created later on this layout.
+    timeout: object = None
 
     @classmethod
     def single(cls, seed: int = 1234) -> "ParallelState":
@@ -296,7 +200,8 @@ def world() -> tuple[int, int]:
 
 def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
                   expert_tensor_parallel_size: int | None = None, seed: int = 1234,
-                  verbose: bool = True) -> ParallelState:
+                  verbose: bool = False,
+                  timeout: datetime.timedelta | float | None = DEFAULT_TIMEOUT) -> ParallelState:
     """Create this rank's tp/dp/ep/etp/edp groups and seed the RNGs the Megatron way.
 
     Call after ``torch.distributed.init_process_group`` (every rank, same arguments), or
@@ -304,8 +209,14 @@ def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
     means 1: each expert whole on one rank, as in DeepSpeed-MoE (Megatron defaults it to
     the dense TP size; pass it explicitly for that). Raises ``ValueError`` on every rank,
     before creating any group, when the sizes do not tile the world.
+
+    ``timeout`` (a timedelta, or seconds; default ``moepar.parallel.faults.DEFAULT_TIMEOUT``,
+    10 minutes): how long a collective on these groups waits for a peer before it fails, with
+    a ``CollectiveError`` naming the op and the group (a peer died or stalled). The world
+    group's timeout is ``init_process_group(timeout=...)``'s (or ``init_distributed``'s).
     """
     global _STATE
+    timeout = as_timeout(timeout)
     etp = 1 if expert_tensor_parallel_size is None else expert_tensor_parallel_size
     _check_positive(tensor_parallel_size=tensor_parallel_size,
                     expert_parallel_size=expert_parallel_size, expert_tensor_parallel_size=etp)
@@ -329,10 +240,10 @@ def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
         for ranks in rank_lists:  # every rank creates every group, in the same order
             key = tuple(ranks)
             if kind != "moe" or key not in made:
-                made[key] = dist.new_group(ranks)
+                made[key] = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[kind] = made[key]
-    state = ParallelState(layout, rank, groups, seed)
+    state = ParallelState(layout, rank, groups, seed, timeout=timeout)
     torch.manual_seed(state.data_parallel_seed)
     state.rng = RNGTracker(state.model_parallel_seed)
     if verbose:
