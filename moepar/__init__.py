@@ -6,21 +6,42 @@ Public names: ``MoE`` and its options ``MoEConfig`` / ``RouterConfig``, ``aux_lo
 blocks; ``fully_shard`` (FSDP2 with expert parallelism); ``release_cpu_buffers`` and
 ``cpu_buffer_stats`` for the CPU buffer pool (docs/moe.md). ``moepar.checkpoint``,
 ``moepar.cost`` and ``moepar.hf`` are imported on demand.
+
+Each public name is imported on first use (``moepar._lazy``): ``import moepar`` does not
+load torch, so the cost model and its command line (``python -m moepar report``) run
+without it.
 """
-from .moe.config import MoEConfig
-from .moe.cpu import release as release_cpu_buffers
-from .moe.cpu import stats as cpu_buffer_stats
-from .moe.experts import GroupedExperts
-from .moe.layer import MoE, MoEStats, aux_loss
-from .moe.load_report import LoadReport, load_report
-from .moe.router import RouterConfig, Routing, TopKRouter
-from .parallel import (ColumnParallelLinear, ParallelState, RowParallelLinear, VocabParallelEmbedding,
-                       allreduce_gradients, clip_grad_norm_, destroy_parallel, fully_shard, get_parallel_state,
-                       grad_norm, init_parallel, vocab_parallel_cross_entropy)
+import sys as _sys
+
+from ._lazy import attach as _attach
 
 __version__ = "0.1.0"
+
+# public name -> the module defining it (":attr" where the module calls it otherwise)
+_NAMES = {
+    "MoE": ".moe.layer", "MoEStats": ".moe.layer", "aux_loss": ".moe.layer",
+    "MoEConfig": ".moe.config",
+    "RouterConfig": ".moe.router", "Routing": ".moe.router", "TopKRouter": ".moe.router",
+    "GroupedExperts": ".moe.experts",
+    "LoadReport": ".moe.load_report", "load_report": ".moe.load_report",
+    "release_cpu_buffers": ".moe.cpu:release", "cpu_buffer_stats": ".moe.cpu:stats",
+    **{name: ".parallel" for name in (
+        "ColumnParallelLinear", "ParallelState", "RowParallelLinear", "VocabParallelEmbedding",
+        "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",
+        "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy")},
+    "init_distributed": ".parallel.faults", "CollectiveError": ".parallel.faults",
+}
 __all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "load_report", "LoadReport", "TopKRouter",
            "Routing", "GroupedExperts", "ColumnParallelLinear", "ParallelState", "RowParallelLinear",
            "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",
            "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "release_cpu_buffers",
-           "cpu_buffer_stats"]
+           "cpu_buffer_stats", "init_distributed", "CollectiveError"]
+# The subpackages an eager import used to leave set as attributes (moepar.moe.cpu, ...).
+__getattr__, __dir__ = _attach(__name__, _NAMES, submodules=("moe", "parallel", "tables"))
+
+if "torch" in _sys.modules:
+    # moepar.parallel.groups imports torch.distributed.nn, which must happen before any process
+    # group exists (docs/fsdp.md, "A finished job exits cleanly"); the eager package did it on
+    # ``import moepar``. With torch already loaded that costs little, so keep doing it then; a
+    # torch-free process (the cost command line) skips it, and init_parallel unpins a late import.
+    from .parallel import groups as _groups  # noqa: F401

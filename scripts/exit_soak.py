@@ -1,4 +1,4 @@
-"""Count how many 4-rank torchrun MoE jobs exit 0 (issue 19: a finished job must exit cleanly).
+"""Count how many 4-rank torchrun MoE jobs exit 0 (a finished job must exit cleanly).
 
     python scripts/exit_soak.py --runs 100                      # every layout, both variants
     python scripts/exit_soak.py --runs 20 --layouts 1x2 --variants plain
@@ -9,7 +9,7 @@ at the given tp x ep layout, reduces the gradients, prints its result and ends, 
 ``moepar.destroy_parallel()`` ("destroy") or with only ``torch.distributed.destroy_process_group()``
 ("plain", what a user writes without knowing moepar's teardown). "late" is "plain" in a
 script that imports ``torch.distributed.nn`` after ``init_process_group`` (as ``torch._dynamo``
-does at a first ``torch.compile``), the import that pins the world group (issue 19); "bare"
+does at a first ``torch.compile``), the import that pins the world group; "bare"
 is that script without the MoE step: the late import, ``init_parallel``, one all-reduce. A run counts as clean when
 torchrun exits 0; the script prints, per layout and variant, the clean count and the exit
 codes and first abort line of the others.

@@ -21,7 +21,7 @@ def _reset_moepar_state():
 @pytest.fixture(autouse=True, scope="session")
 def _gloo_workers_exit_cleanly():
     """At the end of the session, stop the shared gloo worker pools and fail (as an error in
-    the last test's teardown) if any worker did not exit 0 (issue 19: a finished job must
+    the last test's teardown) if any worker did not exit 0 (a finished job must
     exit cleanly; tests/multiproc.py)."""
     yield
     from .multiproc import check_exits

@@ -1,5 +1,5 @@
 """Tiny random transformers MoE blocks, one per family, and the parity comparison that the
-single-process and the multi-rank tests share (issue 18)."""
+single-process and the multi-rank tests share."""
 from __future__ import annotations
 
 import os

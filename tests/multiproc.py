@@ -52,7 +52,7 @@ def _worker(rank: int, world_size: int, store_dir: str, inbox, outbox, fake_cuda
             return
 
     # Before any process group exists, as a user's script does: moepar's import is what keeps
-    # torch.distributed.nn from pinning the world group (issue 19).
+    # torch.distributed.nn from pinning the world group (tests/test_teardown.py).
     import moepar
 
     torch.set_num_threads(1)

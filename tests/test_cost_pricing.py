@@ -1,4 +1,4 @@
-"""Issue 16's pricing: gradients across nodes on every NIC, ZeRO per micro-batch, FP8 wire
+"""Pricing: gradients across nodes on every NIC, ZeRO per micro-batch, FP8 wire
 dtypes, the two overlap bounds, MFU, and what ``recommend`` ranks first for published
 models (from the model's own pricing: no rule forces a layout)."""
 import pytest
@@ -51,8 +51,9 @@ def test_fp8_dispatches_fp8_and_combines_bf16():
     lay = CostLayout(16, 8, tp=2, ep=8)
     calls = {(c.name, c.phase): c for c in layer_calls(mixtral(dtype="fp8"), lay, H100)}
     R, D = 4096 // 2 * 2, 4096
-    assert calls[("MoE dispatch", "fwd")].nbytes == R * D * 1            # FP8 rows out
-    assert calls[("MoE combine grad", "bwd")].nbytes == R * D * 1        # expert-input side, FP8
+    # FP8 rows out with one fp32 scale per 128 channels, as the layer sends them (moepar.moe.fp8)
+    assert calls[("MoE dispatch", "fwd")].nbytes == R * (D + 4 * D // 128)
+    assert calls[("MoE combine grad", "bwd")].nbytes == R * D * 2        # gradients in BF16
     assert calls[("MoE combine", "fwd")].nbytes == R * D * 2             # BF16 back
     assert calls[("MoE dispatch grad", "bwd")].nbytes == R * D * 2
     assert calls[("attention output", "fwd")].nbytes == 4096 * D * 2      # TP activations BF16
@@ -60,7 +61,8 @@ def test_fp8_dispatches_fp8_and_combines_bf16():
     assert grads[0].nbytes == count_params(mixtral(), lay).dense_rank * 2    # BF16 gradients
     over = {(c.name, c.phase): c for c in layer_calls(mixtral(dtype="bf16", dispatch_dtype="fp8",
                                                               combine_dtype="fp32"), lay, H100)}
-    assert over[("MoE dispatch", "fwd")].nbytes == R * D and over[("MoE combine", "fwd")].nbytes == R * D * 4
+    assert over[("MoE dispatch", "fwd")].nbytes == R * (D + 4 * D // 128)
+    assert over[("MoE combine", "fwd")].nbytes == R * D * 4
     with pytest.raises(ValueError, match="dispatch_dtype='int4' is not known"):
         mixtral(dispatch_dtype="int4")
     # weights and Adam state as BF16 training: FP8 changes no memory figure but activations' dtype

@@ -76,11 +76,11 @@ def test_send_expand_combine_equals_the_routes(P, L, K, drop_p, repeats):
     assert x_SD.shape == (sum(rows), D) and side.shape == (sum(rows), 2 * K)
     outs = []
     for p, (x_p, side_p) in enumerate(zip(x_SD.split(rows), side.split(rows))):
-        x_local, row_map_RK, w_RK = dedup.dedup_expand(x_p, side_p, L)
+        x_local, row_map_MK, w_MK = dedup.dedup_expand(x_p, side_p, L)
         local = side_p[:, K:].long()
         counts = torch.bincount(local[local >= 0], minlength=L).tolist()
         y_local = torch.cat([_experts(blk, p * L + l) for l, blk in enumerate(x_local.split(counts))])
-        outs.append(unpermute(y_local, row_map_RK, w_RK, row_map_RK.shape[0]))
+        outs.append(unpermute(y_local, row_map_MK, w_MK, row_map_MK.shape[0]))
     y = unpermute(torch.cat(outs), row_map_TK, None, T)
     gx, gw = torch.autograd.grad(y, [x, w], g)
 

@@ -68,9 +68,11 @@ def _layouts_on_fake_cuda(tp, ep, etp, variants):
 
 
 CASES = [  # world, (tp, ep, etp), variants, forward host reads allowed
-    (2, (1, 2, 1), [{}, {"num_shared_experts": 1}, {"dedup": "on"}, {"dtype": torch.bfloat16}], 1),
+    (2, (1, 2, 1), [{}, {"num_shared_experts": 1}, {"dedup": "on"}, {"dtype": torch.bfloat16},
+                    {"dispatch_dtype": "fp8"}, {"dispatch_dtype": "fp8", "dtype": torch.bfloat16}], 1),
     (2, (1, 2, 1), [{"capacity_factor": 2.0, "pad_to_capacity": True},
-                    {"capacity_factor": 1.0, "pad_to_capacity": True, "num_shared_experts": 1}], 0),
+                    {"capacity_factor": 1.0, "pad_to_capacity": True, "num_shared_experts": 1},
+                    {"capacity_factor": 2.0, "pad_to_capacity": True, "dispatch_dtype": "fp8"}], 0),
     (2, (2, 1, 1), [{}, {"sequence_parallel": True, "num_shared_experts": 1}], 1),
     (4, (2, 2, 1), [{}, {"sequence_parallel": True}, {"num_shared_experts": 1}], 1),
     (4, (1, 4, 1), [{}], 1),

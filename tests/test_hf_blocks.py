@@ -1,4 +1,4 @@
-"""transformers' own MoE blocks vs their moepar conversion (moepar.hf, issue 18): output,
+"""transformers' own MoE blocks vs their moepar conversion (moepar.hf): output,
 input gradient and every weight gradient within 1e-5 in fp32, in one process and on 4 gloo
 ranks; the way back (HF state dict) exactly; bad input a ValueError naming the problem."""
 import pytest

@@ -1,4 +1,4 @@
-"""Whole HF causal LMs with their MoE blocks replaced (moepar.hf, issue 18): same logits and
+"""Whole HF causal LMs with their MoE blocks replaced (moepar.hf): same logits and
 input-embedding gradients; the HF checkpoint written back loads in transformers with the
 same logits; a sharded safetensors checkpoint read lazily, each rank only its experts."""
 import os

@@ -1,4 +1,4 @@
-"""The routing and layer options HF families need (issue 18), each against a slow,
+"""The routing and layer options HF families need, each against a slow,
 obvious reference: group scores (sum of top-n, max), per-sequence absolute capacity, the
 HF aux-loss convention, the clamped SwiGLU, weights applied before the experts, the
 shared-expert gate and the router bias."""

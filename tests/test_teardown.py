@@ -1,4 +1,4 @@
-"""A finished job exits cleanly (issue 19): no ProcessGroup pinned by a default argument,
+"""A finished job exits cleanly: no ProcessGroup pinned by a default argument,
 destroy_parallel() frees every group while the interpreter is intact, modules read their
 groups from the state, and the test helper fails ranks that exit abnormally."""
 import atexit

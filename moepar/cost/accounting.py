@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..moe import counts_message
+from ..moe.traffic import LayerShape, layer_collectives
 from .collectives import sent_bytes
 from .hardware import Hardware
 from .model import (DTYPE_BYTES, CostLayout, Flops, Memory, MoESpec, Params, Routes, check_fits,
@@ -131,13 +131,16 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                           formula))
 
     f = dedup_fraction(spec, layout)
-    g = 1.0 if f is None else f
-    tag = "" if f is None else f"·{f:.3g}"
-
-    def rows_of(nb):   # the dispatched rows at nb bytes per element, and their formula
-        return R * g * D * nb, f"R{tag}·D·{'b' if nb == b else nb}" + (" (dedup)" if f is not None else "")
-    rows_in, in_formula = rows_of(w.dispatch)      # expert inputs: dispatch, combine-grad
-    rows_out, out_formula = rows_of(w.combine)     # expert outputs: combine, dispatch-grad
+    aux_group = ({"global": "world" if sp else "dp", "local": "tp" if sp else None}[spec.aux_scope]
+                 if spec.aux_loss or spec.z_loss else None)
+    # The MoE layer's own collectives: the layer's table (moepar.moe.traffic), balanced
+    # (every rank sends and receives the busiest rank's R rows; dedup: R·f of them).
+    moe = LayerShape(tp=tp, ep=ep, etp=etp, sp=sp, T=T, D=D, K=K, E=E, rows=R * (1.0 if f is None else f),
+                     etp_rows=etp * R * (1.0 if f is None else f), b=b, b_dispatch=w.dispatch,
+                     b_combine=w.combine, dedup=f is not None, padded=spec.pad_to_capacity,
+                     shared=bool(spec.shared_experts), aux_group=aux_group, aux_loss=bool(spec.aux_loss),
+                     z_loss=bool(spec.z_loss), fp8_dispatch=w.dispatch == DTYPE_BYTES["fp8"])
+    sizes = {g: layout.size(g) for g in ("moe", "ep", "etp", "tp", "dp", "world")}
     for phase in ("fwd", "bwd"):
         # attention block, Megatron tensor parallel
         # backward: one all-reduce (SP: reduce-scatter) per column-parallel input linear
@@ -149,42 +152,8 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
             add("attention SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b",
                 count=spec.qkv_linears if phase == "fwd" else 1)
             add("attention SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b", count=n_in)
-        block = layout.size("moe")
-        if phase == "fwd" and block > 1 and not spec.pad_to_capacity:
-            # the counts exchange (padded capacity mode needs none: its splits are known)
-            add("MoE counts", "all_gather", "moe", phase, counts_message.message_bytes(E, ep, block),
-                f"block·(E+{len(counts_message.FIELDS)}+ep)·8")
-        if ep > 1:
-            add("MoE dispatch" if phase == "fwd" else "MoE combine grad", "all_to_all", "ep", phase,
-                rows_in, in_formula)
-            if f is not None:   # the side message: weights and local ids, 2K fp32 per row (grads back)
-                add("MoE dedup side" if phase == "fwd" else "MoE dedup side grad", "all_to_all", "ep", phase,
-                    R * f * 2 * K * FP32, f"R·{f:.3g}·2K·4")
-        if etp > 1:
-            add("expert-TP gather rows", "all_gather", "etp", phase, etp * rows_in, "etp·" + in_formula)
-            add("expert-TP reduce-scatter", "reduce_scatter", "etp", phase, etp * rows_out, "etp·" + out_formula)
-        if ep > 1:
-            add("MoE combine" if phase == "fwd" else "MoE dispatch grad", "all_to_all", "ep", phase,
-                rows_out, out_formula)
-        if tp > 1 and not sp:
-            add("MoE TP gather" if phase == "fwd" else "MoE input-grad gather", "all_gather", "tp",
-                phase, T * D * b, "T·D·b")
-            if phase == "bwd":
-                add("routing-weight grad gather", "all_gather", "tp", phase, T * K * FP32, "T·K·4")
-        if spec.shared_experts and tp > 1:
-            if sp:
-                add("shared experts SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
-                add("shared experts SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
-            else:
-                add("shared experts", "all_reduce", "tp", phase, T * D * b, "T·D·b")
-        aux_group = ({"global": "world" if sp else "dp", "local": "tp" if sp else None}[spec.aux_scope]
-                     if spec.aux_loss or spec.z_loss else None)
-        if phase == "fwd" and aux_group and layout.size(aux_group) > 1:
-            # the router's sums over the group's tokens: fp32 score sums (E) and logsumexp^2
-            # (1), int64 routes per expert (E) and the token count (1)
-            n_f, n_i = E * spec.aux_loss + spec.z_loss, E * spec.aux_loss + 1
-            add("aux-loss statistics", "all_reduce", aux_group, phase, n_f * FP32, f"{n_f}·4")
-            add("aux-loss counts", "all_reduce", aux_group, phase, n_i * INT64, f"{n_i}·8")
+        for c in layer_collectives(moe, sizes, phases=(phase,)):
+            add(c.name, c.op, c.group, phase, c.nbytes, c.formula)
     # Everything but attention runs in the MoE blocks only; the dense blocks' FFN (first-k
     # dense, sparse step) is a Megatron MLP: an all-reduce each way (SP: gather + scatter).
     calls = [c if c.name.startswith("attention") else dataclasses.replace(c, per="moe_layer") for c in calls]

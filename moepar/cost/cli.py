@@ -2,7 +2,9 @@
 
 Each ``*_main(argv)`` returns an exit code: 0 on success, 2 when the input is invalid
 (the message, naming the valid values, goes to stderr), 1 when ``validate --check`` misses
-its thresholds.
+its thresholds. ``report``, ``recommend`` and ``price`` never import torch (a laptop without
+it can price a layout, and start-up stays quick): calibrate and validate, which measure,
+import the torch-using modules inside their commands (tests/test_cost_cli_imports.py).
 """
 from __future__ import annotations
 
@@ -13,7 +15,6 @@ import os
 import sys
 from typing import Callable
 
-from ..parallel import destroy_parallel
 from .accounting import DEFAULT_COMPUTE_EFFICIENCY
 from .collectives import ALGOS, OPS
 from .architectures import MODEL_TYPES, spec_fields_from_file
@@ -352,6 +353,7 @@ def price_main(argv: list[str]) -> int:
 def _calibrate(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    from ..parallel import destroy_parallel
     from ..tables import format_table
     from .calibrate import bus_bandwidth_table, calibrate, pinned_to_core, size_sweep
     created = not (dist.is_available() and dist.is_initialized())
@@ -391,6 +393,7 @@ def calibrate_main(argv: list[str]) -> int:
 def _validate(a: argparse.Namespace) -> int:
     import torch.distributed as dist
 
+    from ..parallel import destroy_parallel
     from .hardware import load_profile
     from .report import markdown_table
     from .calibrate import pinned_to_core

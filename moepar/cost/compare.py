@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from .. import checks
 from .accounting import StepCost, step_cost
 from .collectives import Link, Placement, sent_bytes
 from .hardware import Hardware
@@ -184,9 +185,7 @@ def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None 
     global batch is fixed at ``global_tokens`` (default ``DEFAULT_GLOBAL_TOKENS`` or
     ``spec.tokens x spec.micro_batches x gpus`` if larger): a layout with dp replicas runs
     global / (tokens x dp) micro-batches of ``spec.tokens`` tokens."""
-    for name, v in (("gpus", gpus), ("gpus_per_node", gpus_per_node), ("global_tokens", global_tokens)):
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"{name}={v!r} must be a positive integer")
+    checks.positive_ints(gpus=gpus, gpus_per_node=gpus_per_node, global_tokens=global_tokens)
     if memory_bytes is not None and not (0 < memory_bytes < math.inf):
         raise ValueError(f"memory_bytes={memory_bytes} must be a finite number > 0")
     gpn = gpus_per_node or hw.gpus_per_node

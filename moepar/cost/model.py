@@ -1,10 +1,10 @@
 """Model and layout specs, and the EP-aware per-rank parameters, FLOPs and memory.
 
-Legend: D hidden, F expert ffn, Fs shared-expert ffn, E experts, K top-k, T tokens per
+Legend (docs/moe.md, plus the model's own): D hidden, F expert ffn, Fs shared-expert ffn, E experts, K top-k, T tokens per
 micro-batch at the MoE layer input of each TP group (replicated over its tp ranks; with
-sequence parallelism each holds T/tp), L layers, b bytes per activation element,
-P_e = (3 if gated else 2)·D·F parameters of one expert, R rows (routes) one rank's
-experts process per micro-batch.
+sequence parallelism each holds T/tp), n_l layers (moe_l MoE, dense_l dense), b bytes per activation element,
+P_e = (3 if gated else 2)·D·F parameters of one expert, R rows (routes) one rank sends
+per micro-batch and, balanced, its experts process (the busiest rank's).
 
 Parameters are counted per rank: dense weights (attention, shared experts, embeddings)
 are sliced by tp, router and norms replicated; experts: E/ep per rank, each sliced by etp.
@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..moe.dedup import DEDUP_MAX_FRACTION   # the layer's "auto" threshold, priced as it decides
-from ..parallel.groups import Layout
+from .. import checks
+from ..moe.dedup_policy import DEDUP_MAX_FRACTION   # the layer's "auto" threshold, priced as it decides
+from ..parallel.layout import Layout
 from .architectures import presets
 from .collectives import Placement
 
@@ -31,15 +32,12 @@ MODELS = presets()   # public model shapes for ``--model``, from their config.js
 
 
 def _positive(**values) -> None:
-    for name, v in values.items():
-        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 1):
-            raise ValueError(f"{name}={v!r} must be a positive integer")
+    checks.positive_ints(**values)
 
 
 def _non_negative(**values) -> None:
     for name, v in values.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise ValueError(f"{name}={v!r} must be an integer >= 0")
+        checks.int_at_least(name, v, 0)
 
 
 def divisors(n: int) -> list[int]:
@@ -67,7 +65,7 @@ class MoESpec:
     kv_heads: int | None = None
     vocab: int = 0                         # 0: no embeddings counted
     tie_embeddings: bool = False
-    seq_len: int | None = None             # adds 12·L·seq·D attention-score FLOPs per token
+    seq_len: int | None = None             # adds 12·n_l·seq·D attention-score FLOPs per token
     imbalance: float = 1.0                 # max/mean routes over EP ranks
     micro_batches: int = 1
     dedup: str = "auto"                    # one dispatch row per token and EP rank: auto | on | off
@@ -325,7 +323,7 @@ def _attention_params(spec: MoESpec) -> tuple[int, int]:
 
 
 def count_params(spec: MoESpec, layout: CostLayout) -> Params:
-    D, L, Lm, Ld, tp = spec.hidden, spec.layers, spec.moe_layers, spec.dense_layers, layout.tp
+    D, n_l, moe_l, dense_l, tp = spec.hidden, spec.layers, spec.moe_layers, spec.dense_layers, layout.tp
     attention, attn_replicated = _attention_params(spec)
     router = D * spec.experts + (spec.experts if spec.router_bias else 0)
     norm = D * (2 if spec.norm_bias else 1)
@@ -340,16 +338,16 @@ def count_params(spec: MoESpec, layout: CostLayout) -> Params:
     input_embedding = spec.vocab * D
     embeddings = input_embedding * (1 if spec.tie_embeddings else 2) + spec.pos_embeddings * D
     final_norm = norm if spec.vocab else 0
-    blocks = L * (attention + norms) + Ld * dense_ffn
-    total = blocks + Lm * (router + shared + spec.experts * expert) + embeddings + final_norm
-    active = blocks + Lm * (router + shared + spec.topk * expert) + embeddings + final_norm
+    blocks = n_l * (attention + norms) + dense_l * dense_ffn
+    total = blocks + moe_l * (router + shared + spec.experts * expert) + embeddings + final_norm
+    active = blocks + moe_l * (router + shared + spec.topk * expert) + embeddings + final_norm
     # MTP module (DeepSeek-V3): two norms, a 2D x D projection, one MoE block, the head's norm
     mtp = spec.mtp_layers * (3 * norm + 2 * D * D + attention + norms + router + shared + spec.experts * expert)
     attention_rank = (attention - attn_replicated) // tp + attn_replicated
-    dense_rank = (L * (attention_rank + norms) + Ld * dense_ffn_rank
-                  + Lm * (router + (shared - gate) // tp + gate)
+    dense_rank = (n_l * (attention_rank + norms) + dense_l * dense_ffn_rank
+                  + moe_l * (router + (shared - gate) // tp + gate)
                   + (embeddings - spec.pos_embeddings * D) // tp + spec.pos_embeddings * D + final_norm)
-    expert_rank = Lm * (spec.experts // layout.ep) * (expert // layout.etp)
+    expert_rank = moe_l * (spec.experts // layout.ep) * (expert // layout.etp)
     return Params(attention, router, norms, expert, shared, embeddings, final_norm, total, active,
                   dense_rank, expert_rank, dense_ffn, input_embedding, mtp)
 
@@ -423,23 +421,23 @@ def count_flops(spec: MoESpec, layout: CostLayout, params: Params | None = None,
                 routes: Routes | None = None) -> Flops:
     p = params or count_params(spec, layout)
     r = routes or routes_per_rank(spec, layout)
-    D, L, Lm, T, tp = spec.hidden, spec.layers, spec.moe_layers, spec.tokens, layout.tp
+    D, n_l, moe_l, T, tp = spec.hidden, spec.layers, spec.moe_layers, spec.tokens, layout.tp
     lm_head = spec.vocab * D
     # QK^T and AV, fwd + bwd: 6·seq·H·(qk + v) per token and layer (12·seq·D for plain MHA)
     if spec.kv_lora_rank is not None:
         qk_v = spec.heads * (spec.qk_nope_dim + spec.qk_rope_dim + spec.v_head_dim)
     else:
         qk_v = 2 * spec.heads * spec.hd if spec.heads else 2 * D
-    score = 6 * L * spec.seq_len * qk_v if spec.seq_len else 0
-    dense_blocks = L * p.attention + spec.dense_layers * p.dense_ffn
-    per_token = 6 * (dense_blocks + Lm * (p.router + p.shared + spec.topk * p.expert) + lm_head) + score
+    score = 6 * n_l * spec.seq_len * qk_v if spec.seq_len else 0
+    dense_blocks = n_l * p.attention + spec.dense_layers * p.dense_ffn
+    per_token = 6 * (dense_blocks + moe_l * (p.router + p.shared + spec.topk * p.expert) + lm_head) + score
     # Dense work: every TP rank multiplies the group's T tokens by 1/tp of the weights; the
     # router is replicated, on T tokens (T/tp with sequence parallelism).
     t_router = T // tp if layout.sp else T
-    dense = (6 * T * (dense_blocks + Lm * p.shared + lm_head) / tp + 6 * t_router * Lm * p.router
+    dense = (6 * T * (dense_blocks + moe_l * p.shared + lm_head) / tp + 6 * t_router * moe_l * p.router
              + score * T / tp)
-    expert_mean = 6 * r.mean * Lm * p.expert
-    expert_max = 6 * r.max * Lm * p.expert
+    expert_mean = 6 * r.mean * moe_l * p.expert
+    expert_max = 6 * r.max * moe_l * p.expert
     rank_max = dense + expert_max
     return Flops(per_token, per_token * T * layout.dp, dense + expert_mean, rank_max, expert_max,
                  rank_max * tp * layout.dp, rank_max * spec.micro_batches)

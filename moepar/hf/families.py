@@ -1,12 +1,12 @@
 """What each Hugging Face MoE family is in moepar's terms: its MoE options, and where its
 weights live in the block's state dict. Torch only; transformers is never imported here.
 
-Legend: E experts, D hidden, F expert ffn, S shared-expert ffn, L local experts.
+Legend (docs/moe.md): E experts, D hidden, F expert ffn, Fs shared-expert ffn, L local experts.
 
 Canonical (full, unsliced) tensors every family reads into and writes from:
   router_weight [E, D], router_bias [E], expert_bias [E] (selection-only bias),
   w1 / w3 [E, D, F] (gate / up, ``x @ w``), w2 [E, F, D], b1 / b3 [E, F], b2 [E, D],
-  shared_w1 / shared_w3 [S, D], shared_w2 [D, S] (nn.Linear layout), shared_gate [1, D].
+  shared_w1 / shared_w3 [Fs, D], shared_w2 [D, Fs] (nn.Linear layout), shared_gate [1, D].
 
 Expert layouts of transformers (5.x) blocks, per expert e:
   "fused_chunk"   experts.gate_up_proj [E, 2F, D]: rows :F the gate, F: the up; down_proj [E, D, F]

@@ -12,9 +12,10 @@ does, so the hand-written backward equals autograd through ``clamped_swiglu_refe
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
+
+from .. import checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +27,7 @@ class ClampedSwiGLU:
 
     def __post_init__(self) -> None:
         for name in ("limit", "alpha"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"activation_{name}={v!r} must be a finite number > 0")
+            checks.finite(f"activation_{name}", getattr(self, name), above=0)
 
     def forward(self, h1: torch.Tensor, h3: torch.Tensor) -> torch.Tensor:
         """a [N, F] from the gate and up pre-activations (no autograd graph needed)."""

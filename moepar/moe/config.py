@@ -11,27 +11,23 @@ FFN biases here, the gate's there) goes to ``MoEConfig``; set the router's throu
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import torch
 
+from .. import checks
 from .experts import ACTIVATIONS
 from .gemm import GEMM_PATHS
 from .guard import check_receive_capacity_factor
 from .router import RouterConfig
 
 DEDUP_MODES = ("off", "auto", "on")
+DISPATCH_DTYPES = (None, "fp8")
 AUX_LOSS_SCOPES = ("local", "global")
 # Old keyword names that still work: name -> field.
 ALIASES = {"use_kernels": "use_kernel"}
 # RouterConfig fields that the MoE layer sets itself (from its own fields of the same name).
 _ROUTER_OWNED = ("hidden", "num_experts", "init_seed", "init_std")
-
-
-def _int_at_least(name: str, v: Any, lo: int) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +65,10 @@ class MoEConfig:
         one rank or padded capacity mode, reads it back on its own: one host read).
         overlap_shared_experts: compute the shared experts while the dispatch all-to-all is in
         flight (False: after the combine; the same numbers either way).
+        dispatch_dtype: None (the rows cross the dispatch all-to-all in the compute dtype) or
+        "fp8": float8_e4m3fn with one fp32 scale per 128 channels, dequantized on arrival;
+        the combine and the backward stay in the compute dtype (``moepar.moe.fp8``). The
+        FP8 exchange is synchronous: the shared experts then run after it.
     Load imbalance:
         receive_capacity_factor: None (no guard) or a finite f >= 1: no EP rank processes
         more than cap = ceil(f x mean) received rows, mean = the EP group's routes / ep. An
@@ -120,9 +120,10 @@ class MoEConfig:
     cpu_source_major: bool = False
     check_finite: bool = False
     overlap_shared_experts: bool = True
-    # Load imbalance (issue 19, part 3).
+    dispatch_dtype: Optional[str] = None
+    # Load imbalance: the receive guard (moepar/moe/guard.py).
     receive_capacity_factor: Optional[float] = None
-    # Hugging Face families' options (issue 18; docstring above)
+    # Hugging Face families' options (docstring above)
     shared_expert_gate: bool = False
     router_bias: bool = False
     score_before_experts: bool = False
@@ -132,30 +133,29 @@ class MoEConfig:
     def __post_init__(self) -> None:
         for name, lo in (("hidden", 1), ("num_experts", 1), ("ep_size", 1), ("expert_tensor_parallel_size", 1),
                          ("num_shared_experts", 0)):
-            _int_at_least(name, getattr(self, name), lo)
+            checks.int_at_least(name, getattr(self, name), lo)
         if self.num_experts % self.ep_size:
             raise ValueError(f"num_experts={self.num_experts} is not divisible by ep_size={self.ep_size}")
         for name in ("ffn_hidden", "shared_ffn_hidden"):
             if getattr(self, name) is not None:
-                _int_at_least(name, getattr(self, name), 1)
+                checks.int_at_least(name, getattr(self, name), 1)
         if self.ffn % self.expert_tensor_parallel_size:
             raise ValueError(f"ffn_hidden={self.ffn} is not divisible by "
                              f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}")
         for name, allowed in (("activation", ACTIVATIONS), ("aux_loss_scope", AUX_LOSS_SCOPES),
-                              ("gemm_path", GEMM_PATHS), ("dedup", DEDUP_MODES)):
-            if getattr(self, name) not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {allowed}")
+                              ("gemm_path", GEMM_PATHS), ("dedup", DEDUP_MODES),
+                              ("dispatch_dtype", DISPATCH_DTYPES)):
+            checks.one_of(name, getattr(self, name), allowed)
         for name in ("bias", "sequence_parallel", "checkpoint_experts", "cpu_source_major", "check_finite",
                      "overlap_shared_experts", "shared_expert_gate", "router_bias", "score_before_experts"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name}={getattr(self, name)!r} must be True or False")
+            checks.boolean(name, getattr(self, name))
         self._check_hf_options()
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise ValueError(f"dtype={self.dtype!r} must be None or a floating-point torch.dtype")
         if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
             raise ValueError(f"init_std={self.init_std!r} must be None or > 0")
         if self.init_seed is not None:
-            _int_at_least("init_seed", self.init_seed, 0)
+            checks.int_at_least("init_seed", self.init_seed, 0)
         router = self.router
         if router is None:   # the layer handles non-finite inputs itself (check_finite)
             router = RouterConfig(self.hidden, self.num_experts, nonfinite="propagate")
@@ -182,9 +182,7 @@ class MoEConfig:
                              f"num_shared_experts={self.num_shared_experts}; shared experts take "
                              f"'gelu', 'swiglu' or 'relu'")
         for name in ("activation_limit", "activation_alpha"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
-                raise ValueError(f"{name}={v!r} must be a finite number > 0")
+            checks.finite(name, getattr(self, name), above=0)
 
     @property
     def ffn(self) -> int:

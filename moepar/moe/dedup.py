@@ -1,7 +1,7 @@
 """Dedup dispatch: one row per (token, destination EP rank) instead of one per route.
 
-Legend: T tokens, K routes per token, L local experts per rank, P EP ranks, S rows sent,
-R rows received. A token whose K routes go to fewer than K ranks is sent once to each
+Legend (docs/moe.md): T tokens, K routes per token, L local experts per rank, P EP ranks,
+R rows sent, M rows received. A token whose K routes go to fewer than K ranks is sent once to each
 (DeepEP's layout); a side message per row carries the token's weights and local expert ids
 at that rank. The dispatcher (``Dispatcher._dispatch_dedup``) moves the rows; this module
 holds the pure tensor work on either side and the group's decision.
@@ -12,11 +12,8 @@ import torch
 
 from moepar_kernels.permute import inverse_row_map, permute
 
-# Dedup (one row per token and destination rank) in "auto" mode: when the EP group's rows
-# with dedup are at most this fraction of its routes. The break-even measured on the 2-core
-# CPU with gloo (docs/benchmarks.md); not measured on NCCL, where moving bytes costs more
-# against the local passes and the break-even is likely higher (dedup="on" forces it).
-DEDUP_MAX_FRACTION = 0.3
+# The "auto" threshold lives in a torch-free module so the cost model can read it; re-exported.
+from .dedup_policy import DEDUP_MAX_FRACTION
 
 
 def dedup_rows(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: int, P: int) -> torch.Tensor:
@@ -50,34 +47,34 @@ def _dedup_plan(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L:
 
 
 def dedup_send(x_TD, expert_ids_TK, dropped_TK, weights_TK, L: int, P: int, num_rows: int | None = None):
-    """The sender's half of the dedup dispatch: (x_SD, row_map_TK, side_S). x_SD holds one
+    """The sender's half of the dedup dispatch: (x_RD, row_map_TK, side_R). x_RD holds one
     row per (token, destination rank), rank-major; row_map_TK maps each route to its row (-1
-    for the routes that share an earlier route's row, or are dropped). side_S [S, 2K] fp32:
+    for the routes that share an earlier route's row, or are dropped). side_R [R, 2K] fp32:
     for the row of (token t, rank p), slot j holds route j's weight and local expert id where
     route j also goes to rank p, else 0 and -1 (differentiable w.r.t. the weights).
     ``num_rows``: S when known (from the counts exchange): no host read."""
     dest_TK, drop_TK = _dedup_plan(expert_ids_TK, dropped_TK, L, P)
     K = dest_TK.shape[1]
-    x_SD, _, row_map_TK = permute(x_TD, dest_TK, drop_TK, P, num_rows=num_rows)
-    route_S = inverse_row_map(row_map_TK, x_SD.shape[0])    # each row's (first) route t*K + k
-    tok_S = torch.div(route_S, K, rounding_mode="floor")
-    mine_SK = dest_TK.index_select(0, tok_S) == dest_TK.reshape(-1).index_select(0, route_S)[:, None]
+    x_RD, _, row_map_TK = permute(x_TD, dest_TK, drop_TK, P, num_rows=num_rows)
+    route_R = inverse_row_map(row_map_TK, x_RD.shape[0])    # each row's (first) route t*K + k
+    tok_R = torch.div(route_R, K, rounding_mode="floor")
+    mine_RK = dest_TK.index_select(0, tok_R) == dest_TK.reshape(-1).index_select(0, route_R)[:, None]
     if dropped_TK is not None:
-        mine_SK &= ~dropped_TK.index_select(0, tok_S)
-    ids_SK = torch.where(mine_SK, (expert_ids_TK.long() % L).index_select(0, tok_S), -1)
-    w_SK = torch.where(mine_SK, weights_TK.index_select(0, tok_S), 0)
-    return x_SD, row_map_TK, torch.cat([w_SK.float(), ids_SK.float()], 1)
+        mine_RK &= ~dropped_TK.index_select(0, tok_R)
+    ids_RK = torch.where(mine_RK, (expert_ids_TK.long() % L).index_select(0, tok_R), -1)
+    w_RK = torch.where(mine_RK, weights_TK.index_select(0, tok_R), 0)
+    return x_RD, row_map_TK, torch.cat([w_RK.float(), ids_RK.float()], 1)
 
 
-def dedup_expand(x_RD: torch.Tensor, side_RK2: torch.Tensor, L: int, num_rows: int | None = None):
+def dedup_expand(x_MD: torch.Tensor, side_MK2: torch.Tensor, L: int, num_rows: int | None = None):
     """The receiver's half: the received rows expanded into the local experts' rows,
-    expert-major (x_local, row_map_RK, weights_RK); ``combine`` sums each received row's
-    expert outputs with unpermute(y, row_map_RK, weights_RK). ``num_rows``: the local
+    expert-major (x_local, row_map_MK, weights_MK); ``combine`` sums each received row's
+    expert outputs with unpermute(y, row_map_MK, weights_MK). ``num_rows``: the local
     experts' rows when known (from the counts exchange): no host read."""
-    K = side_RK2.shape[1] // 2
-    ids_RK = side_RK2[:, K:].detach().long()
-    x_local, _, row_map_RK = permute(x_RD, ids_RK.clamp(min=0), ids_RK < 0, L, num_rows=num_rows)
-    return x_local, row_map_RK, side_RK2[:, :K]
+    K = side_MK2.shape[1] // 2
+    ids_MK = side_MK2[:, K:].detach().long()
+    x_local, _, row_map_MK = permute(x_MD, ids_MK.clamp(min=0), ids_MK < 0, L, num_rows=num_rows)
+    return x_local, row_map_MK, side_MK2[:, :K]
 
 
 def group_dedups(votes_P: torch.Tensor, rows_P: torch.Tensor, routes_P: torch.Tensor) -> bool:

@@ -3,29 +3,27 @@
 Legend: T tokens this rank dispatches, D hidden, E global experts, L = E/ep local experts,
 K top-k, P the EP group size, B the MoE block's size (``moepar.parallel.groups``).
 
-``dispatch`` (dropless), each step a method or a module:
-  1. ``_tp_share``        with a TP group whose ranks hold the same tokens, keep this TP
+``dispatch`` (dropless), each step a method or a module, numbered as in docs/moe.md's one
+list of the forward's steps (1 is the router's):
+  2. ``_tp_share``        with a TP group whose ranks hold the same tokens, keep this TP
                           rank's near-even share of them (a slice: no communication);
-  2. ``_exchange_counts`` count the routes per expert on the device, all-gather one row per
+  3. ``_exchange_counts`` count the routes per expert on the device, all-gather one row per
                           rank over the MoE block and read it to the host: the forward's
                           one host read (``plan.py``). A bad input on any rank of the block
                           raises on every rank there; the block agrees on the splits, the
                           receive guard's quotas (``guard.py``) and the exchange form;
      ``_apply_guard``     drop the routes past this rank's quotas (receive guard only);
-  3-6. the exchange form (``exchange.py``): permute the rows expert-major, start the token
+  4-7. the exchange form (``exchange.py``): permute the rows expert-major, start the token
                           all-to-all-v over the EP group, run the caller's ``during`` work
                           (the shared experts) while it is in flight, all-gather over expert
                           TP, regroup the received blocks by local expert.
-``combine`` undoes them in reverse. Padded capacity mode replaces steps 1-2: its splits are
+``combine`` (steps 9-11) undoes them in reverse. Padded capacity mode replaces steps 2-3: its splits are
 known on every rank without an exchange, so it reads nothing back to the host. A layer whose
 block is one rank (tp = ep = etp = 1) exchanges nothing either.
 
-Collectives per call (b = bytes per element; the cost model's table, docs/moe.md):
-  dispatch: [B>1, dropless] counts all-gather B*W int64 (``counts_message``); [ep>1] token
-            all-to-all N*D*b sent; [etp>1] all-gather of the rows (etp*M_r*D*b)
-  combine:  [etp>1] reduce-scatter of the partial outputs ; [ep>1] token all-to-all back;
-            [TP share] all-gather of the outputs
-  backward: the mirror of each token collective; nothing is read back to the host.
+Its collectives, with their groups and bytes, are rows of the layer's table
+(``moepar/moe/traffic.py``), which the cost model prices and tests/test_traffic.py checks
+against what a call records; the backward reads nothing back to the host.
 The dispatcher keeps no state between calls (``combine`` needs only the metadata) and no
 process group: it reads them from the ParallelState at each call.
 """
@@ -69,13 +67,14 @@ class Dispatcher:
     ``g % L``. ``dedup``: "off" | "auto" | "on" (``dedup.py``); ``receive_capacity_factor``:
     None, or f >= 1: no rank receives more than ceil(f x mean) rows (``guard.py``);
     ``source_major``: on gloo with CPU tensors, let the experts take the received rows
-    source-major (``cpu.py``); ``padded``: capacity mode (``dispatch`` gets the capacity).
+    source-major (``cpu.py``); ``padded``: capacity mode (``dispatch`` gets the capacity);
+    ``dispatch_fp8``: the dispatch all-to-all's rows in FP8 with block scales (``fp8.py``).
     ``stats`` receives every collective's event.
     """
 
     def __init__(self, num_experts: int, ep_group=None, stats: comm.CommStats | None = None, *, state=None,
                  sequence_parallel: bool = False, dedup: str = "auto", receive_capacity_factor: float | None = None,
-                 source_major: bool = False, padded: bool = False):
+                 source_major: bool = False, padded: bool = False, dispatch_fp8: bool = False):
         if state is not None and ep_group is not None:
             raise ValueError("pass either state or an explicit ep_group to the Dispatcher, not both")
         if dedup not in DEDUP_VOTES:
@@ -84,12 +83,21 @@ class Dispatcher:
         self.receive_capacity_factor = receive_capacity_factor
         self._state, self._ep_group = state, ep_group
         self.sequence_parallel, self.dedup = sequence_parallel, dedup
-        self.source_major, self.padded = source_major, padded
+        self.source_major, self.padded, self.dispatch_fp8 = source_major, padded, dispatch_fp8
         self.num_experts, self.stats = num_experts, stats
         self.ep = comm.group_size(self.ep_group)
         if num_experts % self.ep:
             raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={self.ep}")
         self.num_local = num_experts // self.ep
+
+    @classmethod
+    def for_layer(cls, config, state, stats: comm.CommStats | None = None) -> "Dispatcher":
+        """The dispatcher of an MoE layer: its options from the layer's ``MoEConfig`` (already
+        validated there), its groups from ``state`` at every call."""
+        return cls(config.num_experts, state=state, stats=stats, sequence_parallel=config.sequence_parallel,
+                   dedup=config.dedup, receive_capacity_factor=config.receive_capacity_factor,
+                   source_major=config.cpu_source_major, padded=config.router.pad_to_capacity,
+                   dispatch_fp8=config.dispatch_dtype == "fp8")
 
     @property
     def ep_group(self):
@@ -102,7 +110,7 @@ class Dispatcher:
         return Topology.of_ep_group(self._ep_group)
 
     def _call(self) -> Call:
-        return Call(self.topology(), self.num_experts, self.stats)
+        return Call(self.topology(), self.num_experts, self.stats, fp8=self.dispatch_fp8)
 
     # ---- dispatch ---------------------------------------------------------------------
     def dispatch(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
@@ -138,16 +146,16 @@ class Dispatcher:
             _check_alone(flags, call, self.num_experts)
             return Dispatched(*FORMS["padded"].dispatch(call, x_TD, expert_ids_TK, dropped_TK, weights_TK,
                                                         capacity, during))
-        routes = self._tp_share(call, x_TD, expert_ids_TK, dropped_TK, weights_TK)       # 1
+        routes = self._tp_share(call, x_TD, expert_ids_TK, dropped_TK, weights_TK)       # 2
         if call.topo.block_size == 1:
             _check_alone(flags, call, self.num_experts)
             return Dispatched(*FORMS["rows"].dispatch(call, routes, None, during, trusted))
-        plan = self._exchange_counts(call, routes, x_TD.shape[0] if tokens is None else tokens, flags)  # 2
+        plan = self._exchange_counts(call, routes, x_TD.shape[0] if tokens is None else tokens, flags)  # 3
         routes = self._apply_guard(routes, plan)
-        return Dispatched(*FORMS[plan.form].dispatch(call, routes, plan, during))        # 3-6
+        return Dispatched(*FORMS[plan.form].dispatch(call, routes, plan, during))        # 4-7
 
     def _tp_share(self, call: Call, x_TD, expert_ids_TK, dropped_TK, weights_TK) -> Routes:
-        """Step 1. Inside a TP group the tokens are replicated: each TP rank dispatches its
+        """Step 2. Inside a TP group the tokens are replicated: each TP rank dispatches its
         near-even share (DeepSpeed's parallelism-coordinated dispatch); the slices are
         differentiable (their backward all-gathers, T*D*b and T*K*4 bytes)."""
         group, tp = call.topo.tp_group, call.topo.tp
@@ -164,7 +172,7 @@ class Dispatcher:
                       dropped_TK=None if dropped_TK is None else dropped_TK[lo:hi], token_sizes=sizes)
 
     def _exchange_counts(self, call: Call, routes: Routes, tokens: int, flags: dict | None) -> planning.Plan:
-        """Step 2: a histogram of the kept routes per global expert (out-of-range ids in a
+        """Step 3: a histogram of the kept routes per global expert (out-of-range ids in a
         spare bin and counted: every rank raises on them), the dedup vote and whether this
         rank may take source-major rows, all-gathered over the block and read once."""
         E, L = self.num_experts, self.num_local
@@ -187,7 +195,7 @@ class Dispatcher:
         return planning.decide(rows_dev, host, call.topo, E, self.receive_capacity_factor)
 
     def _apply_guard(self, routes: Routes, plan: planning.Plan) -> Routes:
-        """Step 2b (receive guard): drop this rank's routes past its quotas, lowest routing
+        """Step 3, receive guard: drop this rank's routes past its quotas, lowest routing
         weight first within each expert (``guard.py``); they weigh 0 in the combine and the
         permute skips them. No communication: the quotas came with the counts exchange."""
         load = plan.load

@@ -1,7 +1,7 @@
 """The token exchange forms: how the rows travel to the experts' ranks and back.
 
-Legend: T tokens this rank dispatches, D hidden, E global experts, L = E/P local experts,
-K top-k, P EP ranks, S = etp*P source blocks, N rows this rank sends, M rows its experts
+Legend (docs/moe.md): T tokens this rank dispatches, D hidden, E global experts, L = E/P local experts,
+K top-k, P EP ranks, S = etp*P source blocks, R rows this rank sends, M rows its experts
 process, C slots per expert (padded).
 
 Each form is a stateless class with ``dispatch`` (the rows for this rank's local experts,
@@ -31,7 +31,7 @@ import torch
 from moepar_kernels.permute import permute, unpermute
 
 from ..parallel import comm
-from . import cpu
+from . import cpu, fp8
 from .dedup import dedup_expand, dedup_send
 from .guard import GroupLoad
 from .plan import Plan, Topology
@@ -46,6 +46,7 @@ class Call:
     topo: Topology
     num_experts: int
     stats: comm.CommStats | None
+    fp8: bool = False    # the dispatch all-to-all's rows in FP8 (``fp8.py``)
 
     @property
     def L(self) -> int:
@@ -54,7 +55,7 @@ class Call:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Routes:
-    """This rank's share of the routes (step 1): tokens, their K expert ids, drops, weights,
+    """This rank's share of the routes (step 2): tokens, their K expert ids, drops, weights,
     and every TP rank's share size (None without a TP group of replicated tokens)."""
 
     x_TD: torch.Tensor
@@ -104,8 +105,8 @@ class DedupMeta(Meta):
     row_map_TK: torch.Tensor             # [T, K] route -> sent row; -1: shares an earlier route's row
     send: tuple[int, ...]
     recv: tuple[int, ...]
-    row_map_RK: torch.Tensor             # [R, K] received row's routes -> x_local rows
-    weights_RK: torch.Tensor             # [R, K] their weights (in the graph)
+    row_map_MK: torch.Tensor             # [M, K] received row's routes -> x_local rows
+    weights_MK: torch.Tensor             # [M, K] their weights (in the graph)
     token_sizes: tuple[int, ...] | None
 
 
@@ -151,6 +152,14 @@ def regroup_index(counts_SL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor,
     rows = torch.arange(num_rows, device=dev)
     idx = rows + torch.repeat_interleave(starts - tgt_start, cnt, output_size=num_rows)
     return idx, torch.empty_like(idx).scatter_(0, idx, rows)
+
+
+def _start_rows(call: Call, x: torch.Tensor, recv, send):
+    """Step 5's token all-to-all, issued without waiting; with FP8 dispatch the rows go as
+    bytes and are dequantized on arrival (synchronous: the shared experts then run after it)."""
+    if call.fp8:
+        return fp8.all_to_all(x, call.topo.ep_group, recv, send, stats=call.stats), comm.Pending()
+    return comm.all_to_all_start(x, call.topo.ep_group, recv, send, stats=call.stats, empty=cpu.empty)
 
 
 def _run_during(during: During, tp_tokens) -> torch.Tensor | None:
@@ -200,8 +209,7 @@ class RouteRows:
                                   token_sizes=r.token_sizes), extra
         x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
                                       num_rows=sum(plan.send))
-        x_recv, pending = comm.all_to_all_start(x_ND, call.topo.ep_group, plan.recv, plan.send,
-                                                stats=call.stats, empty=cpu.empty)
+        x_recv, pending = _start_rows(call, x_ND, plan.recv, plan.send)
         extra = _run_during(during, plan.tp_tokens)
         x_recv = _gather_etp(call, comm.wait_for(x_recv, pending), plan.etp_sizes)
         x_local, regroup = self._expert_major(x_recv, plan)
@@ -242,8 +250,7 @@ class SourceMajorRows(RouteRows):
         r = routes
         x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
                                       num_rows=sum(plan.send))
-        x_recv, pending = comm.all_to_all_start(x_ND, call.topo.ep_group, plan.recv, plan.send,
-                                                stats=call.stats, empty=cpu.empty)
+        x_recv, pending = _start_rows(call, x_ND, plan.recv, plan.send)
         extra = _run_during(during, plan.tp_tokens)
         x_recv = comm.wait_for(x_recv, pending)
         meta = SourceMajorMeta(form="source_major", num_tokens=r.x_TD.shape[0],
@@ -270,23 +277,22 @@ class DedupRows:
 
     def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
         r, P, L = routes, call.topo.ep, call.L
-        x_SD, row_map_TK, side_S = dedup_send(r.x_TD, r.expert_ids_TK, r.dropped_TK, r.weights_TK, L, P,
+        x_RD, row_map_TK, side_R2K = dedup_send(r.x_TD, r.expert_ids_TK, r.dropped_TK, r.weights_TK, L, P,
                                               num_rows=sum(plan.send))
         group = call.topo.ep_group
-        x_recv, pending_x = comm.all_to_all_start(x_SD, group, plan.recv, plan.send, stats=call.stats,
-                                                  empty=cpu.empty)
-        side_R, pending_side = comm.all_to_all_start(side_S, group, plan.recv, plan.send, stats=call.stats)
+        x_recv, pending_x = _start_rows(call, x_RD, plan.recv, plan.send)
+        side_M2K, pending_side = comm.all_to_all_start(side_R2K, group, plan.recv, plan.send, stats=call.stats)
         extra = _run_during(during, plan.tp_tokens)
-        x_recv, side_R = comm.wait_for(x_recv, pending_x), comm.wait_for(side_R, pending_side)
+        x_recv, side_M2K = comm.wait_for(x_recv, pending_x), comm.wait_for(side_M2K, pending_side)
         counts = tuple(plan.counts_SL.sum(0).tolist())
-        x_local, row_map_RK, w_RK = dedup_expand(x_recv, side_R, L, num_rows=sum(counts))
+        x_local, row_map_MK, w_MK = dedup_expand(x_recv, side_M2K, L, num_rows=sum(counts))
         return x_local, DedupMeta(form="dedup", num_tokens=r.x_TD.shape[0], counts=counts,
                                   counts_dev=plan.counts_SL_dev.sum(0), load=plan.load, tp_tokens=plan.tp_tokens,
-                                  row_map_TK=row_map_TK, send=plan.send, recv=plan.recv, row_map_RK=row_map_RK,
-                                  weights_RK=w_RK, token_sizes=r.token_sizes), extra
+                                  row_map_TK=row_map_TK, send=plan.send, recv=plan.recv, row_map_MK=row_map_MK,
+                                  weights_MK=w_MK, token_sizes=r.token_sizes), extra
 
     def combine(self, call: Call, y: torch.Tensor, meta: DedupMeta) -> torch.Tensor:
-        y = unpermute(y, meta.row_map_RK, meta.weights_RK, meta.row_map_RK.shape[0])
+        y = unpermute(y, meta.row_map_MK, meta.weights_MK, meta.row_map_MK.shape[0])
         y = comm.all_to_all(y, call.topo.ep_group, meta.send, meta.recv, stats=call.stats, empty=cpu.empty)
         # The weights were applied on the receiver: the sender sums a token's rows with weight 1.
         y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0])
@@ -310,8 +316,7 @@ class PaddedRows:
             x_ND = comm.scatter_to_region(x_ND.view(E, C, D), topo.tp_group, 1, stats=call.stats).reshape(-1, D)
         slots = C // topo.tp
         split = (L * slots,) * P
-        x_recv, pending = comm.all_to_all_start(x_ND, topo.ep_group, split, split, stats=call.stats,
-                                                empty=cpu.empty)
+        x_recv, pending = _start_rows(call, x_ND, split, split)
         extra = _run_during(during, None)
         etp_sizes = (P * L * slots,) * topo.etp if topo.etp > 1 else None
         x_recv = _gather_etp(call, comm.wait_for(x_recv, pending), etp_sizes)

@@ -1,7 +1,7 @@
 """GroupedExperts: every local expert's FFN in one module, weights as single tensors,
 computed with grouped GEMMs over expert-major rows.
 
-Legend: E local experts (``num_local_experts``), G global expert index, D hidden,
+Legend (docs/moe.md): E local experts (``num_local_experts``), g a global expert's index, D hidden,
 F ffn hidden held by this rank (``ffn_hidden / etp_size``), N rows (expert-major, the
 counts say how many rows each expert owns), C rows per expert in a padded block.
 
@@ -37,6 +37,7 @@ import torch
 import torch.nn as nn
 
 
+from .. import checks
 from .activations import ClampedSwiGLU
 from .experts_fn import ExpertsFunction, check_counts
 from .experts_op import experts_fwd
@@ -87,8 +88,7 @@ class GroupedExperts(nn.Module):
         for name, v, lo in (("num_local_experts", num_local_experts, 1), ("hidden", hidden, 1),
                             ("ffn_hidden", ffn_hidden, 1), ("etp_size", etp_size, 1),
                             ("first_expert", first_expert, 0), ("etp_rank", etp_rank, 0)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name}={v!r} must be an integer >= {lo}")
+            checks.int_at_least(name, v, lo)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
         if ffn_hidden % etp_size:

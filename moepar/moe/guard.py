@@ -26,6 +26,7 @@ from fractions import Fraction
 
 import torch
 
+from .. import checks
 from ..parallel.device import to_device
 
 
@@ -33,8 +34,7 @@ def check_receive_capacity_factor(value) -> None:
     """ValueError unless ``value`` is None or a finite number >= 1."""
     if value is None:
         return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 1:
+    if not checks.is_number(value) or value < 1:
         raise ValueError(f"receive_capacity_factor={value!r} must be None or a finite number >= 1 "
                          f"(a rank keeps at most ceil(factor x mean) received rows; below 1 the cap would "
                          f"drop routes even from a perfectly balanced group)")

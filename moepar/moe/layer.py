@@ -4,7 +4,7 @@ Legend: T tokens (all leading dims of x flattened), D hidden, F expert ffn, E ex
 K top-k, L = E/ep local experts.
 
 The forward reads as its steps (docs/moe.md numbers them; the collectives and their bytes
-are the table there, which the cost model prices): route, dispatch (the counts all-gather
+are rows of ``moepar/moe/traffic.py``, which the cost model prices): route, dispatch (the counts all-gather
 over the layer's MoE block, its one host read, then the token all-to-all with the shared
 experts computed while it is in flight), the experts, combine. Nothing here reaches wider
 than the block: a bad input raises on every rank of the block, in the counts exchange.
@@ -93,16 +93,20 @@ class SharedExperts(nn.Module):
         self.w2 = RowParallelLinear(ffn_hidden, hidden, init_seed=init_seed + 2, **kw)
         self.gate = SharedExpertGate(hidden, init_seed + 3, sequence_parallel, dtype) if gate else None
 
-    def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None) -> torch.Tensor:
-        """``sequence_sizes``: with sequence parallelism, every TP rank's token count."""
-        h = self.w1(x, sequence_sizes)
+    def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None,
+                stats: comm.CommStats | None = None) -> torch.Tensor:
+        """``sequence_sizes``: with sequence parallelism, every TP rank's token count.
+        One input collective for w1 and w3 (an all-gather with SP; the backward's all-reduce
+        without), one output collective: Megatron's MLP, as the cost model counts it."""
+        x_in = self.w1.region_input(x, sequence_sizes, stats)
+        h = self.w1.local(x_in, stats)
         if self.activation == "swiglu":
-            h = F.silu(h) * self.w3(x, sequence_sizes)
+            h = F.silu(h) * self.w3.local(x_in, stats)
         elif self.activation == "gelu":
             h = F.gelu(h)
         else:
             h = F.relu(h)
-        y = self.w2(h, sequence_sizes)
+        y = self.w2(h, sequence_sizes, stats)
         return y if self.gate is None else self.gate(x) * y
 
 
@@ -128,22 +132,14 @@ class MoE(nn.Module):
         state = state if state is not None else get_parallel_state()
         self._check_layout(cfg, state)
         self.state = state
-        self.hidden, self.num_experts, self.k = hidden, num_experts, cfg.router.k
-        self.ep, self.etp, self.tp = state.ep_size, state.etp_size, state.tp_size
-        self.sequence_parallel, self.aux_loss_scope = cfg.sequence_parallel, cfg.aux_loss_scope
-        self.pad_to_capacity = cfg.router.pad_to_capacity
-        # Recompute the expert FFNs in backward instead of storing [M, F] activations; the
-        # dispatch collectives sit outside the recomputed region, so none is re-run.
-        self.checkpoint_experts = cfg.checkpoint_experts
         init_seed = cfg.init_seed
         if init_seed is None:  # same on every rank: init_parallel seeded the default RNG alike
             init_seed = int(torch.randint(0, 2 ** 30, ()))
         router_cfg = dataclasses.replace(cfg.router, init_seed=init_seed)
-        self.router = TopKRouter(**{f.name: getattr(router_cfg, f.name) for f in dataclasses.fields(router_cfg)})
+        self.router = TopKRouter(router_cfg)
         if cfg.sequence_parallel and self.tp > 1:
             for p in self.router.parameters():  # fed only this rank's tokens: grads summed over TP
                 p.sequence_parallel = True
-        self.num_local_experts = num_experts // self.ep
         self.experts = GroupedExperts(
             self.num_local_experts, hidden, cfg.ffn, cfg.activation, cfg.bias,
             first_expert=state.ep_rank * self.num_local_experts, etp_size=self.etp, etp_rank=state.etp_rank,
@@ -154,10 +150,7 @@ class MoE(nn.Module):
             self.shared = SharedExperts(hidden, cfg.shared_ffn, cfg.activation, state, cfg.sequence_parallel,
                                         init_seed + 2, cfg.init_std, cfg.dtype, gate=cfg.shared_expert_gate)
         self._stats = MoEStats()
-        self.dispatcher = Dispatcher(num_experts, state=state, sequence_parallel=cfg.sequence_parallel,
-                                     stats=self._stats.comm, dedup=cfg.dedup,
-                                     receive_capacity_factor=cfg.receive_capacity_factor,
-                                     source_major=cfg.cpu_source_major, padded=cfg.router.pad_to_capacity)
+        self.dispatcher = Dispatcher.for_layer(cfg, state, self._stats.comm)
         self._losses: dict[str, torch.Tensor | None] = {"aux": None, "z": None}
         # Set when the last forward ran under no_grad in training (the reentrant checkpoint's
         # forward): the losses are then read through taps (moepar.moe.recompute).
@@ -173,6 +166,21 @@ class MoE(nn.Module):
         if cfg.expert_tensor_parallel_size != state.etp_size:
             raise ValueError(f"expert_tensor_parallel_size={cfg.expert_tensor_parallel_size} does not match the "
                              f"parallel state's expert_tensor_parallel_size={state.etp_size}")
+
+    # Read-only views of the config and the layout (one source of truth: ``config``, ``state``).
+    hidden = property(lambda self: self.config.hidden)
+    num_experts = property(lambda self: self.config.num_experts)
+    k = property(lambda self: self.config.router.k)
+    sequence_parallel = property(lambda self: self.config.sequence_parallel)
+    aux_loss_scope = property(lambda self: self.config.aux_loss_scope)
+    pad_to_capacity = property(lambda self: self.config.router.pad_to_capacity)
+    # Recompute the expert FFNs in backward instead of storing [M, F] activations; the
+    # dispatch collectives sit outside the recomputed region, so none is re-run.
+    checkpoint_experts = property(lambda self: self.config.checkpoint_experts)
+    ep = property(lambda self: self.state.ep_size)
+    etp = property(lambda self: self.state.etp_size)
+    tp = property(lambda self: self.state.tp_size)
+    num_local_experts = property(lambda self: self.config.num_experts // self.state.ep_size)
 
     @property
     def aux_loss(self) -> torch.Tensor | None:
@@ -217,7 +225,7 @@ class MoE(nn.Module):
             flags["nonfinite_input"] = (~torch.isfinite(x_TD)).sum()
         record = self._replay.take(x_TD.shape[0]) if recompute and self.training else None
         routing = self.router(x_TD, stats_group=self._aux_group(), defer_checks=True,        # 1. route
-                              replay=record, count=not recompute)
+                              replay=record, count=not recompute, comm_stats=self._stats.comm)
         if self.training and not recompute and not traced:
             routing = self._keep_routing(routing, x_TD.shape[0])
         if routing.nonfinite is not None:
@@ -225,20 +233,21 @@ class MoE(nn.Module):
         x_rows, ids, dropped, w = self._dispatched_rows(x_TD, routing)
         during = None
         if self.shared is not None and self.config.overlap_shared_experts:
-            during = lambda tp_tokens: self.shared(x_TD, self._sequence_sizes(tp_tokens))   # noqa: E731
-        x_local, meta, shared_TD = self.dispatcher.dispatch(                              # 2-4. exchange
+            during = lambda tp_tokens: self.shared(x_TD, self._sequence_sizes(tp_tokens),   # noqa: E731
+                                                   self._stats.comm)
+        x_local, meta, shared_TD = self.dispatcher.dispatch(                              # 2-7. exchange
             x_rows, ids, dropped, w, routing.capacity if self.pad_to_capacity else None, during=during,
             flags=flags, error=error, trusted=True, tokens=x_TD.shape[0])
-        y_local = self._run_experts(x_local, meta)                                         # 5. experts
-        y_TD = self.dispatcher.combine(y_local, meta)                                      # 6-8. back
+        y_local = self._run_experts(x_local, meta)                                         # 8. experts
+        y_TD = self.dispatcher.combine(y_local, meta)                                      # 9-11. back
         if self.config.score_before_experts:   # each token's K route rows summed: [T, D]
             y_TD = sum_routes(y_TD, x_TD.shape[0])
         if self.shared is not None and shared_TD is None:
-            shared_TD = self.shared(x_TD, self._sequence_sizes(meta.tp_tokens))
+            shared_TD = self.shared(x_TD, self._sequence_sizes(meta.tp_tokens), self._stats.comm)
         if shared_TD is not None:
             y_TD = y_TD + shared_TD
         if not recompute:
-            self._record(routing, meta)
+            self._record(routing, meta)                                                    # 12. record
         elif record is not None and record.cell is not None:
             aux, z = self._scaled_losses(routing)
             y_TD = attach_losses(y_TD, aux, z, record.cell)
@@ -285,7 +294,7 @@ class MoE(nn.Module):
         return routes_as_rows(x_TD, routing.expert_ids, routing.weights, dropped)
 
     def _run_experts(self, x_local: torch.Tensor, meta) -> torch.Tensor:
-        """Step 5: the local experts on the received rows (expert-major, or the source-major
+        """Step 8: the local experts on the received rows (expert-major, or the source-major
         blocks that ``meta.segments`` names); with expert TP the partial sums are reduced in
         ``combine``, so the output bias counts once, from ETP rank 0."""
         segments = getattr(meta, "segments", None)

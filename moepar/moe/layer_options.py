@@ -1,12 +1,12 @@
 """Layer-level options that Hugging Face MoE families need, kept out of the layer's steps.
 
-Legend: T tokens, D hidden, K routes per token, R = T*K routes.
+Legend (docs/moe.md): T tokens, D hidden, K routes per token, N = T*K routes.
 
 * ``score_before_experts`` (Llama 4): each route's row is scaled by its routing weight
   *before* the expert FFN and the outputs are summed with weight 1, i.e.
   ``y_t = sum_k expert_k(w_tk * x_t)`` instead of ``sum_k w_tk * expert_k(x_t)``.
-  ``routes_as_rows`` turns the T tokens into R single-route rows (row t*K + k is route
-  (t, k)), which the dispatcher moves like any k=1 routing; ``sum_routes`` folds the R
+  ``routes_as_rows`` turns the T tokens into N single-route rows (row t*K + k is route
+  (t, k)), which the dispatcher moves like any k=1 routing; ``sum_routes`` folds the N
   outputs back. The weights stay in the graph through the scaling, so their gradient
   flows (d w_tk = <dy_t-through-expert, x_t>).
 * ``shared_expert_gate`` (Qwen2-MoE): ``out += sigmoid(x . w_gate) * shared(x)`` per token,
@@ -23,20 +23,20 @@ from torch import nn
 
 def routes_as_rows(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
                    dropped_TK: torch.Tensor | None):
-    """(x_RD, ids_R1, dropped_R1, ones_R1): every route as its own row scaled by its weight
+    """(x_ND, ids_N1, dropped_N1, ones_N1): every route as its own row scaled by its weight
     (in the input's dtype), with combine weight 1. Dropped routes weigh 0 already."""
     T, K = expert_ids_TK.shape
     w_TK1 = weights_TK.to(x_TD.dtype).unsqueeze(-1)
-    x_RD = (x_TD.unsqueeze(1) * w_TK1).reshape(T * K, x_TD.shape[-1])
-    ids_R1 = expert_ids_TK.reshape(T * K, 1)
-    dropped_R1 = None if dropped_TK is None else dropped_TK.reshape(T * K, 1)
-    ones_R1 = torch.ones(T * K, 1, dtype=weights_TK.dtype, device=weights_TK.device)
-    return x_RD, ids_R1, dropped_R1, ones_R1
+    x_ND = (x_TD.unsqueeze(1) * w_TK1).reshape(T * K, x_TD.shape[-1])
+    ids_N1 = expert_ids_TK.reshape(T * K, 1)
+    dropped_N1 = None if dropped_TK is None else dropped_TK.reshape(T * K, 1)
+    ones_N1 = torch.ones(T * K, 1, dtype=weights_TK.dtype, device=weights_TK.device)
+    return x_ND, ids_N1, dropped_N1, ones_N1
 
 
-def sum_routes(y_RD: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def sum_routes(y_ND: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[T, D]: the sum of each token's K route outputs (rows t*K .. t*K+K-1)."""
-    return y_RD.view(num_tokens, -1, y_RD.shape[-1]).sum(1)
+    return y_ND.view(num_tokens, -1, y_ND.shape[-1]).sum(1)
 
 
 class SharedExpertGate(nn.Module):

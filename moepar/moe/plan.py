@@ -1,4 +1,4 @@
-"""Dispatch step 2: the counts exchange and what the MoE block decides from it.
+"""Step 3 of the forward (docs/moe.md): the counts exchange and what the MoE block decides from it.
 
 Legend: E global experts, L = E/P local experts, P EP ranks, B ranks in the MoE block,
 W int64 columns of a counts row (``counts_message``), S = etp*P source blocks.

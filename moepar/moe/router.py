@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from moepar import checks
 from moepar.parallel import comm
 from moepar_kernels import routing as _rk
 
@@ -52,22 +53,6 @@ class Routing:
     # The generator state the noisy gate drew from (training with a noisy_gate_policy), kept
     # so that a recompute redraws the same noise (moepar.moe.recompute); else None.
     noise_rng: Optional[torch.Tensor] = None
-
-
-def _positive_int(name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-def _nonneg_float(name: str, value, strict: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (strict and value == 0):
-        raise ValueError(f"{name}={value!r} must be a finite number {'> 0' if strict else '>= 0'}")
-
-
-def _one_of(name: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} must be one of {allowed}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,22 +89,21 @@ class RouterConfig:
     init_std: Optional[float] = None
 
     def __post_init__(self) -> None:
-        _positive_int("hidden", self.hidden)
-        _positive_int("num_experts", self.num_experts)
+        checks.positive_int("hidden", self.hidden)
+        checks.positive_int("num_experts", self.num_experts)
         E, k = self.num_experts, self.k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-            raise ValueError(f"k={k!r} must be an integer >= 1")
+        checks.int_at_least("k", k, 1)
         if k > E:
             raise ValueError(f"k={k} must be <= num_experts={E}")
-        _one_of("score_func", self.score_func, SCORE_FUNCS)
-        _one_of("normalize_weights", self.normalize_weights, (None, True, False))
-        _nonneg_float("scaling_factor", self.scaling_factor, strict=True)
+        checks.one_of("score_func", self.score_func, SCORE_FUNCS)
+        checks.one_of("normalize_weights", self.normalize_weights, (None, True, False))
+        checks.finite("scaling_factor", self.scaling_factor, above=0)
         if (self.num_groups is None) != (self.topk_groups is None):
             raise ValueError(f"num_groups={self.num_groups} and topk_groups={self.topk_groups}: "
                              f"group-limited routing needs both (or neither)")
         if self.num_groups is not None:
-            _positive_int("num_groups", self.num_groups)
-            _positive_int("topk_groups", self.topk_groups)
+            checks.positive_int("num_groups", self.num_groups)
+            checks.positive_int("topk_groups", self.topk_groups)
             if E % self.num_groups:
                 raise ValueError(f"num_experts={E} is not divisible by num_groups={self.num_groups}")
             if self.topk_groups > self.num_groups:
@@ -128,54 +112,53 @@ class RouterConfig:
             if k > reachable:
                 raise ValueError(f"k={k} must be <= topk_groups={self.topk_groups} x experts per group "
                                  f"{E // self.num_groups} = {reachable}")
-        _one_of("group_score", self.group_score, GROUP_SCORES)
+        checks.one_of("group_score", self.group_score, GROUP_SCORES)
         if self.group_score_topn is not None:
-            _positive_int("group_score_topn", self.group_score_topn)
+            checks.positive_int("group_score_topn", self.group_score_topn)
             if self.group_score == "max":
                 raise ValueError(f"group_score_topn={self.group_score_topn} goes with group_score='sum_topn'; "
                                  f"group_score='max' scores a group by its largest affinity")
             if self.num_groups is not None and self.group_score_topn > E // self.num_groups:
                 raise ValueError(f"group_score_topn={self.group_score_topn} must be <= experts per group "
                                  f"{E // self.num_groups} (num_experts={E} / num_groups={self.num_groups})")
-        _one_of("noisy_gate_policy", self.noisy_gate_policy, NOISY_GATE_POLICIES)
+        checks.one_of("noisy_gate_policy", self.noisy_gate_policy, NOISY_GATE_POLICIES)
         if not (isinstance(self.noise_eps, (int, float)) and 0 < self.noise_eps < 1):
             raise ValueError(f"noise_eps={self.noise_eps!r} must be in (0, 1)")
         for name in ("capacity_factor", "eval_capacity_factor"):
             if getattr(self, name) is not None:
-                _nonneg_float(name, getattr(self, name), strict=True)
-        if isinstance(self.min_capacity, bool) or not isinstance(self.min_capacity, int) or self.min_capacity < 0:
-            raise ValueError(f"min_capacity={self.min_capacity!r} must be an integer >= 0")
-        _one_of("drop_policy", self.drop_policy, DROP_POLICIES)
+                checks.finite(name, getattr(self, name), above=0)
+        checks.int_at_least("min_capacity", self.min_capacity, 0)
+        checks.one_of("drop_policy", self.drop_policy, DROP_POLICIES)
         if self.expert_capacity is not None:
-            _positive_int("expert_capacity", self.expert_capacity)
+            checks.positive_int("expert_capacity", self.expert_capacity)
             if self.capacity_factor is not None or self.eval_capacity_factor is not None:
                 raise ValueError(f"expert_capacity={self.expert_capacity} (absolute slots) and capacity_factor="
                                  f"{self.capacity_factor} / eval_capacity_factor={self.eval_capacity_factor} "
                                  f"(relative) are exclusive: set one")
             if self.seq_len is not None:
-                _positive_int("seq_len", self.seq_len)
+                checks.positive_int("seq_len", self.seq_len)
         if (self.pad_to_capacity and self.capacity_factor is None and self.eval_capacity_factor is None
                 and self.expert_capacity is None):
             raise ValueError("pad_to_capacity=True needs a capacity_factor (or eval_capacity_factor, or "
                              "expert_capacity): dropless routing has no capacity to pad to")
-        _one_of("aux_loss", self.aux_loss, AUX_LOSSES)
-        _nonneg_float("aux_loss_coeff", self.aux_loss_coeff)
-        _one_of("aux_loss_convention", self.aux_loss_convention, AUX_LOSS_CONVENTIONS)
-        _nonneg_float("z_loss_coeff", self.z_loss_coeff)
+        checks.one_of("aux_loss", self.aux_loss, AUX_LOSSES)
+        checks.finite("aux_loss_coeff", self.aux_loss_coeff, at_least=0)
+        checks.one_of("aux_loss_convention", self.aux_loss_convention, AUX_LOSS_CONVENTIONS)
+        checks.finite("z_loss_coeff", self.z_loss_coeff, at_least=0)
         if self.aux_loss == "seq":
             if self.seq_len is None:
                 raise ValueError("aux_loss='seq' needs seq_len (tokens per sequence on this rank)")
-            _positive_int("seq_len", self.seq_len)
-        _one_of("nonfinite", self.nonfinite, NONFINITE)
-        _one_of("use_kernel", self.use_kernel, (None, True, False))
+            checks.positive_int("seq_len", self.seq_len)
+        checks.one_of("nonfinite", self.nonfinite, NONFINITE)
+        checks.one_of("use_kernel", self.use_kernel, (None, True, False))
         if self.use_kernel is True:
             reason = self.kernel_gap()
             if reason:
                 raise ValueError(f"use_kernel=True but the routing kernel does not cover {reason}")
-        if self.init_seed is not None and (isinstance(self.init_seed, bool) or not isinstance(self.init_seed, int)):
+        if self.init_seed is not None and not checks.is_int(self.init_seed):
             raise ValueError(f"init_seed={self.init_seed!r} must be an integer or None")
         if self.init_std is not None:
-            _nonneg_float("init_std", self.init_std, strict=True)
+            checks.finite("init_std", self.init_std, above=0)
 
     @property
     def normalize(self) -> bool:
@@ -294,11 +277,24 @@ class TopKRouter(nn.Module):
       use_kernel: None = Triton on CUDA when it covers the options; True/False forces.
       init_seed / init_std: weights from ``Generator().manual_seed(init_seed)``;
         U(+-1/sqrt(D)) (nn.Linear) or N(0, init_std).
+
+    ``TopKRouter(config)`` takes a ``RouterConfig`` as it is (the MoE layer passes its own);
+    ``TopKRouter(hidden, num_experts, k, **options)`` is the shortcut that builds one.
     """
 
-    def __init__(self, hidden: int, num_experts: int, k: int = 2, **options) -> None:
+    def __init__(self, hidden: int | RouterConfig, num_experts: int | None = None, k: int = 2,
+                 **options) -> None:
         super().__init__()
-        self.config = cfg = RouterConfig(hidden, num_experts, k, **options)
+        if isinstance(hidden, RouterConfig):
+            if num_experts is not None or options:
+                raise ValueError("TopKRouter(config) takes no other arguments: put the options in the RouterConfig")
+            cfg = hidden
+        else:
+            if num_experts is None:
+                raise ValueError(f"TopKRouter(hidden={hidden!r}) needs num_experts (or pass a RouterConfig)")
+            cfg = RouterConfig(hidden, num_experts, k, **options)
+        self.config = cfg
+        num_experts, hidden = cfg.num_experts, cfg.hidden
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32)) if cfg.bias else None
         if cfg.expert_bias:
@@ -344,14 +340,15 @@ class TopKRouter(nn.Module):
                 f"capacity_factor={c.capacity_factor}, aux_loss={c.aux_loss!r}")
 
     def forward(self, x_TD: torch.Tensor, *, stats_group=None, defer_checks: bool = False,
-                replay: Optional[Record] = None, count: bool = True) -> Routing:
+                replay: Optional[Record] = None, count: bool = True, comm_stats=None) -> Routing:
         """Route ``x_TD`` [T, D]; ``stats_group`` sums the aux/z statistics over a group.
         ``defer_checks``: with nonfinite="raise", count the non-finite tokens on the device
         (``Routing.nonfinite``) instead of reading them here: the MoE layer sends the count in
         its counts exchange, so that every rank raises together, with no host read of its own.
         ``replay``: a recompute's record of its forward (moepar.moe.recompute): the same ids
         and drops, the noise redrawn from the same state. ``count``: add this forward's
-        routes to ``load_accum`` (False in a recompute)."""
+        routes to ``load_accum`` (False in a recompute). ``comm_stats``: receives the events of
+        the aux/z statistics' collectives over ``stats_group``."""
         if x_TD.dim() != 2 or x_TD.shape[1] != self.config.hidden:
             raise ValueError(f"router input must be [T, hidden={self.config.hidden}], got {tuple(x_TD.shape)}")
         noisy = self.training and self.config.noisy_gate_policy is not None
@@ -368,7 +365,7 @@ class TopKRouter(nn.Module):
                 x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
             bias = None if self.bias is None else self.bias.float()
             logits_TE = F.linear(x, self.weight.float(), bias)
-            routing = self._route(logits_TE, stats_group, defer_checks, replay, count)
+            routing = self._route(logits_TE, stats_group, defer_checks, replay, count, comm_stats)
         return dataclasses.replace(routing, noise_rng=noise_rng) if noise_rng is not None else routing
 
     def route_logits(self, logits_TE: torch.Tensor, *, stats_group=None) -> Routing:
@@ -376,7 +373,7 @@ class TopKRouter(nn.Module):
         if logits_TE.dim() != 2 or logits_TE.shape[1] != self.config.num_experts:
             raise ValueError(f"logits must be [T, num_experts={self.config.num_experts}], "
                              f"got {tuple(logits_TE.shape)}")
-        return self._route(logits_TE.float(), stats_group, False, None, True)
+        return self._route(logits_TE.float(), stats_group, False, None, True, None)
 
     def _use_kernel(self, logits_TE: torch.Tensor) -> bool:
         cfg = self.config
@@ -384,7 +381,8 @@ class TopKRouter(nn.Module):
             return cfg.use_kernel   # True was checked against kernel_gap() at construction
         return logits_TE.is_cuda and not cfg.kernel_gap(self.training)
 
-    def _route(self, logits_TE: torch.Tensor, stats_group, defer_checks: bool, replay, count: bool) -> Routing:
+    def _route(self, logits_TE: torch.Tensor, stats_group, defer_checks: bool, replay, count: bool,
+               comm_stats=None) -> Routing:
         cfg = self.config
         T, E = logits_TE.shape
         bad_T = _rk.nonfinite_rows(logits_TE)
@@ -430,13 +428,14 @@ class TopKRouter(nn.Module):
             w_TK = torch.where(dropped_TK & ~bad_T[:, None], torch.zeros_like(w_TK), w_TK)
             kept_E = torch.zeros(E, dtype=torch.int64, device=ids_TK.device).scatter_add_(
                 0, ids_TK.reshape(-1), (~dropped_TK).reshape(-1).long())
-        aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group)
+        aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group, comm_stats)
         if self.training and cfg.expert_bias and count:
             with torch.no_grad():
                 self.load_accum += hist_E
         return Routing(ids_TK, w_TK, dropped_TK, kept_E, aux, z, scores_TE, capacity, nonfinite)
 
-    def _losses(self, logits_TE, scores_TE, ids_TK, hist_E, group) -> tuple[torch.Tensor, torch.Tensor]:
+    def _losses(self, logits_TE, scores_TE, ids_TK, hist_E, group, comm_stats=None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Aux and z losses from sums that add over ranks, so ``stats_group`` gives the
         loss of the union of the group's tokens: counts are all-reduced; score and
         logsumexp^2 sums go through reduce_from_region (identity backward: each rank
@@ -470,8 +469,8 @@ class TopKRouter(nn.Module):
         counts.append(logits_TE.new_full((1,), T, dtype=torch.int64))   # a fill: no host data copied
         diff_sum, count_sum = torch.cat(diff), torch.cat(counts)
         if comm.group_size(group) > 1:
-            diff_sum = comm.reduce_from_region(diff_sum, group)   # bytes: 4 * len (E, or B*E, +1)
-            count_sum = comm.all_reduce_(count_sum, group)        # bytes: 8 * len
+            diff_sum = comm.reduce_from_region(diff_sum, group, stats=comm_stats)   # 4 * len (E, or B*E, +1)
+            count_sum = comm.all_reduce_(count_sum, group, stats=comm_stats)        # 8 * len
         tokens = count_sum[-1].clamp_min(1).float()
         aux = z = zero
         if z_on:
@@ -500,7 +499,7 @@ class TopKRouter(nn.Module):
         ``group`` first), then reset the count. Returns the load used [E] (int64)."""
         if not self.config.expert_bias:
             raise ValueError("update_expert_bias needs a router built with expert_bias=True")
-        _nonneg_float("rate", rate)
+        checks.finite("rate", rate, at_least=0)
         load_E = comm.all_reduce_(self.load_accum.clone(), group)
         load = load_E.double()
         self.expert_bias += (rate * torch.sign(load.mean() - load)).to(self.expert_bias.dtype)

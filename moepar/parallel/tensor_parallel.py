@@ -84,18 +84,30 @@ class ColumnParallelLinear(_TPModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None,
+                stats: comm.CommStats | None = None) -> torch.Tensor:
         """``sequence_sizes``: with sequence parallelism, every TP rank's length along
-        ``sequence_dim`` where they may differ (None: all equal, Megatron's rule)."""
+        ``sequence_dim`` where they may differ (None: all equal, Megatron's rule). ``stats``
+        receives the collectives' events."""
+        return self.local(self.region_input(x, sequence_sizes, stats), stats)
+
+    def region_input(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None,
+                     stats: comm.CommStats | None = None) -> torch.Tensor:
+        """The input as the TP region sees it: all-gathered along the sequence (SP), else the
+        identity whose backward all-reduces the gradient. Column-parallel linears that share
+        an input (a gated MLP's w1 and w3) call it once and ``local`` each."""
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
         if self.sequence_parallel:
-            x = comm.gather_from_sequence_region(x, self.group, dim=self.sequence_dim, sizes=sequence_sizes)
-        else:
-            x = comm.copy_to_region(x, self.group)
+            return comm.gather_from_sequence_region(x, self.group, dim=self.sequence_dim, sizes=sequence_sizes,
+                                                    stats=stats)
+        return comm.copy_to_region(x, self.group, stats=stats)
+
+    def local(self, x: torch.Tensor, stats: comm.CommStats | None = None) -> torch.Tensor:
+        """This rank's output columns of ``region_input``'s result (gathered if asked)."""
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
-            y = comm.gather_from_region(y, self.group, dim=-1)
+            y = comm.gather_from_region(y, self.group, dim=-1, stats=stats)
         return y
 
 
@@ -131,21 +143,24 @@ class RowParallelLinear(_TPModule):
         else:
             self.register_parameter("bias", None)
 
-    def forward(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None,
+                stats: comm.CommStats | None = None) -> torch.Tensor:
         """``sequence_sizes``: with sequence parallelism, every TP rank's length of the
-        reduce-scattered ``sequence_dim`` where they may differ (None: all equal)."""
+        reduce-scattered ``sequence_dim`` where they may differ (None: all equal). ``stats``
+        receives the collectives' events."""
         if not self.input_is_parallel:
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
-            x = comm.scatter_to_region(x, self.group, dim=-1)
+            x = comm.scatter_to_region(x, self.group, dim=-1, stats=stats)
         elif x.shape[-1] != self.in_per_rank:
             raise ValueError(f"input last dim {x.shape[-1]} != in_features/tp = {self.in_per_rank} "
                              f"(input_is_parallel=True expects the rank's slice)")
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = comm.reduce_scatter_to_region(y, self.group, dim=self.sequence_dim, sizes=sequence_sizes)
+            y = comm.reduce_scatter_to_region(y, self.group, dim=self.sequence_dim, sizes=sequence_sizes,
+                                              stats=stats)
         else:
-            y = comm.reduce_from_region(y, self.group)
+            y = comm.reduce_from_region(y, self.group, stats=stats)
         return y if self.bias is None else y + self.bias
 
 

@@ -1,0 +1,144 @@
+"""The MoE layer's collectives as data: one table of what a forward and its backward issue.
+
+Torch-free: the cost model's per-layer accounting (``moepar.cost.accounting``) prices this
+list, and ``tests/test_traffic.py`` compares it, op by op, with the collectives the layer
+records in ``moe.stats.comm`` across the layouts and options the suite runs. The steps it
+names are docs/moe.md's (one numbering); letters as in the legend there.
+
+Bytes per rank in nccl-tests' size convention (all-reduce: the tensor; all-gather: the
+gathered output; reduce-scatter: the input; all-to-all: what this rank sends), the
+convention ``moepar.parallel.comm`` records.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from . import counts_message
+
+FP32_BYTES = 4
+INT64_BYTES = 8
+FP8_BLOCK = 128   # channels per fp32 scale of an FP8 row (moepar.moe.fp8)
+
+
+def fp8_row_bytes(D: int) -> int:
+    """Bytes of one FP8 dispatch row: D e4m3 values and ceil(D / 128) fp32 scales."""
+    return D + FP32_BYTES * (-(-D // FP8_BLOCK))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerShape:
+    """What one MoE layer's collectives depend on, for one rank and one micro-batch.
+
+    T the TP group's tokens at the layer input (replicated over its ranks; with sequence
+    parallelism each rank holds a slice of them), D hidden, K top-k, E experts;
+    ``rows`` (R): the rows this rank sends in the token all-to-all (its kept routes; with dedup
+    its dedup rows); ``fp8_dispatch``: the dispatch rows cross as FP8 with their scales
+    (``fp8_row_bytes`` a row, ``b_dispatch`` unused), the rest in the compute dtype;
+    ``received`` (M): the rows it receives there (None: R, balanced), which it
+    sends back in the combine; ``etp_rows``: the rows its expert-TP group gathers (etp x rows when
+    balanced); b bytes per activation element, ``b_dispatch`` / ``b_combine`` per element of
+    the rows sent out / back."""
+
+    tp: int
+    ep: int
+    etp: int
+    sp: bool
+    T: int
+    D: int
+    K: int
+    E: int
+    rows: float
+    etp_rows: float
+    b: int
+    b_dispatch: int
+    b_combine: int
+    dedup: bool = False
+    padded: bool = False
+    shared: bool = False
+    aux_group: str | None = None       # "tp" | "dp" | "world" | None: the aux/z statistics' group
+    aux_loss: bool = True
+    z_loss: bool = False
+    received: float | None = None
+    fp8_dispatch: bool = False
+
+    @property
+    def block(self) -> int:
+        """Ranks of the layer's MoE block: lcm(tp, ep·etp) (``moepar.parallel.groups``)."""
+        return math.lcm(self.tp, self.ep * self.etp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    """One collective of the layer: ``group`` one of moe | ep | etp | tp | dp | world."""
+
+    step: str        # docs/moe.md's step
+    name: str        # as the cost report names it
+    op: str
+    group: str
+    phase: str       # fwd | bwd
+    nbytes: float
+    formula: str
+
+
+def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
+                      phases: tuple[str, ...] = ("fwd", "bwd")) -> list[Collective]:
+    """Every collective of one MoE layer's forward and backward, in the order they run (the
+    backward listed in forward order). ``group_size`` (name -> ranks) drops the groups of one
+    rank, which issue nothing; by default the sizes follow from ``s``."""
+    sizes = {"moe": s.block, "ep": s.ep, "etp": s.etp, "tp": s.tp}
+    sizes.update(group_size or {})
+    if s.aux_group is not None and s.aux_group not in sizes:
+        raise ValueError(f"aux_group={s.aux_group!r}: pass its size in group_size")
+    T, D, K, E, b = s.T, s.D, s.K, s.E, s.b
+    R, M = s.rows, s.rows if s.received is None else s.received
+    # Forward: R rows out, M back; backward: the gradients of the M rows this rank got back
+    # to the senders, the gradients of its R rows to it. Expert inputs (dispatch, combine
+    # gradient) travel in b_dispatch, expert outputs (combine, dispatch gradient) in b_combine.
+    dd = " (dedup)" if s.dedup else ""
+    bd = "b" if s.b_dispatch == b else str(s.b_dispatch)
+    bc = "b" if s.b_combine == b else str(s.b_combine)
+    out: list[Collective] = []
+
+    def add(step, name, op, group, phase, nbytes, formula):
+        if sizes[group] > 1:
+            out.append(Collective(step, name, op, group, phase, float(nbytes), formula))
+
+    for phase in phases:
+        fwd = phase == "fwd"
+        if fwd and not s.padded:
+            add("3", "MoE counts", "all_gather", "moe", phase, counts_message.message_bytes(E, s.ep, s.block),
+                f"block·(E+{len(counts_message.FIELDS)}+ep)·8")
+        if fwd and s.fp8_dispatch:
+            add("5", "MoE dispatch", "all_to_all", "ep", phase, R * fp8_row_bytes(D),
+                f"R·(D+4·⌈D/{FP8_BLOCK}⌉) fp8{dd}")
+        else:   # the combine's gradient travels in the expert outputs' dtype
+            add("5", "MoE dispatch" if fwd else "MoE combine grad", "all_to_all", "ep", phase,
+                R * D * (s.b_dispatch if fwd else s.b_combine), f"R·D·{bd if fwd else bc}{dd}")
+        if s.dedup:   # the side message: weights and local ids, 2K fp32 per row (grads back)
+            add("5", "MoE dedup side" if fwd else "MoE dedup side grad", "all_to_all", "ep", phase,
+                (R if fwd else M) * 2 * K * FP32_BYTES, "R·2K·4" if fwd else "M·2K·4")
+        b_etp = s.b_combine if s.fp8_dispatch else s.b_dispatch   # FP8 rows are dequantized first
+        add("6", "expert-TP gather rows", "all_gather", "etp", phase, s.etp_rows * D * b_etp,
+            f"etp·M·D·{bc if s.fp8_dispatch else bd}")
+        add("9", "expert-TP reduce-scatter", "reduce_scatter", "etp", phase, s.etp_rows * D * s.b_combine,
+            f"etp·M·D·{bc}")
+        add("9", "MoE combine" if fwd else "MoE dispatch grad", "all_to_all", "ep", phase,
+            M * D * s.b_combine, f"M·D·{bc}{dd}")
+        if not s.sp:
+            add("11", "MoE TP gather" if fwd else "MoE input-grad gather", "all_gather", "tp", phase,
+                T * D * b, "T·D·b")
+            if not fwd:
+                add("11", "routing-weight grad gather", "all_gather", "tp", phase, T * K * FP32_BYTES, "T·K·4")
+        if s.shared and s.sp:
+            add("5", "shared experts SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
+            add("5", "shared experts SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
+        elif s.shared:
+            add("5", "shared experts", "all_reduce", "tp", phase, T * D * b, "T·D·b")
+        if fwd and s.aux_group and (s.aux_loss or s.z_loss):
+            # the router's sums over the group's tokens: fp32 score sums (E) and logsumexp^2
+            # (1), int64 routes per expert (E) and the token count (1)
+            n_f, n_i = E * s.aux_loss + s.z_loss, E * s.aux_loss + 1
+            add("1", "aux-loss statistics", "all_reduce", s.aux_group, phase, n_f * FP32_BYTES, f"{n_f}·4")
+            add("1", "aux-loss counts", "all_reduce", s.aux_group, phase, n_i * INT64_BYTES, f"{n_i}·8")
+    return out

@@ -1,0 +1,85 @@
+"""The layer's collectives table (``moepar.moe.traffic``) against what the layer records.
+
+Four gloo ranks; per layout and option, every collective a forward and its backward issue
+(op, group size, phase, bytes) as ``moe.stats.comm`` records them equals the table's list,
+computed from the rows this rank actually sent (its EP group's counts, in ``moe.stats.load``)
+and the rows its expert-TP group gathered; the cost model prices the same table.
+"""
+import collections
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from moepar.moe.dedup import dedup_rows
+from moepar.moe.traffic import LayerShape, layer_collectives
+from moepar.parallel import init_parallel
+
+from . import moe_ref
+from .multiproc import run_ranks
+
+TOKENS = 6
+
+CASES = {
+    "ep4": ((1, 4, 1, False), {}),
+    "ep4 shared": ((1, 4, 1, False), dict(num_shared_experts=1)),
+    "tp2 ep2 shared": ((2, 2, 1, False), dict(num_shared_experts=1)),
+    "tp2 ep2 SP shared": ((2, 2, 1, True), dict(num_shared_experts=1)),
+    "ep2 etp2 shared bias": ((1, 2, 2, False), dict(num_shared_experts=1, bias=True)),
+    "tp2 ep2 etp2": ((2, 2, 2, False), {}),
+    "tp2": ((2, 1, 1, False), {}),
+    "ep2 dedup": ((1, 2, 1, False), dict(num_experts=8, dedup="on")),
+    "ep4 padded": ((1, 4, 1, False), dict(capacity_factor=1.0, min_capacity=1, pad_to_capacity=True)),
+    "ep2 global aux, z": ((1, 2, 1, False), dict(aux_loss_scope="global", z_loss_coeff=1e-3)),
+    "ep2 etp2 fp8 dispatch": ((1, 2, 2, False), dict(dispatch_dtype="fp8", num_shared_experts=1)),
+    "ep4 dedup fp8 dispatch": ((1, 4, 1, False), dict(num_experts=8, dedup="on", dispatch_dtype="fp8")),
+}
+
+
+def _run(name):
+    (tp, ep, etp, sp), kw = CASES[name]
+    state = init_parallel(tp, ep, etp, verbose=False)
+    moe = moe_ref.build(state, k=2, sequence_parallel=sp, **kw)
+    x, g = moe_ref.replica_input(state.dp_rank, TOKENS * (tp if sp else 1))
+    if sp:   # this rank's slice of its replica's tokens
+        x, g = x.chunk(tp)[state.tp_rank], g.chunk(tp)[state.tp_rank]
+    y = moe(x.requires_grad_())
+    (y * g).sum().backward()
+    events = sorted((e.op, e.group_size, "bwd" if e.backward else "fwd", e.nbytes) for e in moe.stats.comm.events)
+    L, E = moe.num_local_experts, moe.num_experts
+    load = moe.stats.load
+    if moe.pad_to_capacity:
+        capacity = moe.router.config.capacity(x.shape[0], True)
+        rows = received = E // ep * capacity * ep    # every slot of every expert, each way
+    elif kw.get("dedup") == "on":
+        routing = moe.router(x.detach())
+        per_peer = dedup_rows(routing.expert_ids, None, L, ep).tolist()   # rows to each EP peer
+        everyone = [None] * ep
+        dist.all_gather_object(everyone, per_peer, group=state.ep_group)
+        rows, received = sum(per_peer), sum(row[state.ep_rank] for row in everyone)
+    else:
+        me = state.ep_rank
+        rows = int(load.load_PE[me].sum()) if load is not None else TOKENS * 2
+        received = int(load.received_PR[me]) if load is not None else rows
+    gathered = [None] * etp
+    if etp > 1:
+        dist.all_gather_object(gathered, received, group=state.etp_group)
+    aux_group = {"global": "world" if sp else "dp", "local": "tp" if sp else None}[moe.aux_loss_scope]
+    shape = dict(tp=tp, ep=ep, etp=etp, sp=sp, T=TOKENS * (tp if sp else 1), D=moe_ref.D,
+                 K=2, E=E, rows=rows, received=received, etp_rows=sum(gathered) if etp > 1 else rows, b=4, b_dispatch=4,
+                 b_combine=4, dedup=kw.get("dedup") == "on", padded=moe.pad_to_capacity,
+                 shared=bool(kw.get("num_shared_experts")), aux_group=aux_group,
+                 z_loss=kw.get("z_loss_coeff", 0) > 0, fp8_dispatch=kw.get("dispatch_dtype") == "fp8")
+    sizes = {"dp": state.dp_size, "world": state.world_size}
+    return events, shape, sizes
+
+
+@pytest.mark.parametrize("names", [list(CASES)[:6], list(CASES)[6:]])
+def test_recorded_collectives_equal_the_table(names):
+    for name in names:
+        for events, shape, sizes in run_ranks(_run, 4, name):
+            s = LayerShape(**shape)
+            table = layer_collectives(s, sizes)
+            size_of = {"moe": s.block, "ep": s.ep, "etp": s.etp, "tp": s.tp, **sizes}
+            want = sorted((c.op, size_of[c.group], c.phase, int(c.nbytes)) for c in table)
+            assert collections.Counter(events) == collections.Counter(want), (name, events, want)
