@@ -41,6 +41,7 @@ class GPTConfig:
     sequence_parallel: bool = False
     checkpoint_activations: bool = False
     cpu_source_major: bool = False  # MoEConfig.cpu_source_major: a CPU/gloo-only speed option
+    dispatch_dtype: str | None = None   # MoEConfig.dispatch_dtype: "fp8" for FP8 dispatch rows
     init_seed: int = 1234
 
     def __post_init__(self):
@@ -118,7 +119,8 @@ class Block(nn.Module):
                 z_loss_coeff=cfg.z_loss_coeff, aux_loss_scope=cfg.aux_loss_scope,
                 expert_tensor_parallel_size=state.etp_size,
                 sequence_parallel=cfg.sequence_parallel, state=state, init_seed=seed + 50, init_std=0.02,
-                checkpoint_experts=cfg.checkpoint_activations, cpu_source_major=cfg.cpu_source_major)
+                checkpoint_experts=cfg.checkpoint_activations, cpu_source_major=cfg.cpu_source_major,
+                dispatch_dtype=cfg.dispatch_dtype)
         else:
             self.ffn = DenseMLP(cfg, state, seed + 50)
 

@@ -72,6 +72,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--cpu-source-major", action="store_true",
                    help="on CPUs over gloo, let the experts take the received rows source-major "
                         "(no regroup; the layer's cpu_source_major option)")
+    g.add_argument("--dispatch-dtype", choices=["fp8"], default=None,
+                   help="fp8: the dispatch all-to-all's rows in FP8 with a fp32 scale per 128 channels "
+                        "(DeepSeek-V3's recipe; the layer's dispatch_dtype option)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300)
     g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
@@ -139,7 +142,7 @@ def build(args, device):
                     aux_loss_coeff=args.aux_loss_coeff, z_loss_coeff=args.z_loss_coeff,
                     sequence_parallel=args.sequence_parallel,
                     checkpoint_activations=args.checkpoint_activations, init_seed=args.seed,
-                    cpu_source_major=args.cpu_source_major)
+                    cpu_source_major=args.cpu_source_major, dispatch_dtype=args.dispatch_dtype)
     model = GPT(cfg, state).to(device)
     if args.fsdp:
         model = moepar.fully_shard(model, state)  # the optimizer below sees the sharded params
@@ -349,7 +352,7 @@ def run_spec(args, cfg, state, model, imbalance: float = 1.0):
     moes = [m for m in model.modules() if isinstance(m, moepar.MoE)]
     return MoESpec(hidden=cfg.hidden, ffn=cfg.expert_ffn, experts=cfg.experts, topk=cfg.topk,
                    tokens=args.batch_size // state.dp_size * cfg.context,
-                   dtype="bf16" if torch.cuda.is_available() else "fp32",
+                   dtype="bf16" if torch.cuda.is_available() else "fp32", dispatch_dtype=cfg.dispatch_dtype,
                    capacity_factor=cfg.capacity_factor, gated=False, layers=cfg.layers,
                    dense_layers=cfg.layers - len(moes), dense_ffn=cfg.dense_ffn, heads=cfg.heads,
                    vocab=cfg.vocab_size, seq_len=cfg.context, imbalance=max(1.0, imbalance),

@@ -30,7 +30,8 @@ def _report_rows(argv):
 
 @pytest.mark.parametrize("layout", [["--tp", "2", "--ep", "2"],
                                     ["--tp", "2", "--ep", "1", "--moe-every", "2", "--z-loss-coeff", "0"],
-                                    ["--tp", "1", "--ep", "4", "--moe-every", "2", "--time-peer-wait"]])
+                                    ["--tp", "1", "--ep", "4", "--moe-every", "2", "--time-peer-wait"],
+                                    ["--tp", "2", "--ep", "2", "--dispatch-dtype", "fp8"]])
 def test_every_op_matches_the_model(tmp_path, layout):
     argv = TINY + ["--steps", "2", "--hardware", "h100", "--out", str(tmp_path), *layout]
     rows = run_ranks(_report_rows, 4, argv)[0]
