@@ -168,3 +168,55 @@ def test_the_kill_soak_survives_and_ends_equal(tmp_path):
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "faults survived: 2 of 2" in proc.stdout and "(equal)" in proc.stdout, proc.stdout
+
+
+def _two_agents(tmp_path, name: str, script: list[str], argv: list[str], max_restarts: int = 0):
+    """Two torchrun agents (2 workers each) on this machine, meeting through a c10d
+    rendezvous on 127.0.0.1 as two nodes would; returns each agent's (exit code, stdout, stderr)."""
+    port = _free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={name}",
+           f"--max-restarts={max_restarts}", "--monitor-interval=0.2", *script, *argv]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for _ in range(2)]
+    try:
+        return [(*p.communicate(timeout=280), p) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+
+
+def test_two_agents_on_one_machine_train_as_one_and_restart_exactly(tmp_path):
+    """torchrun --nnodes=2 --nproc_per_node=2 with a c10d rendezvous on 127.0.0.1: the example
+    at tp2·ep2 has the single-agent run's losses, its cost report places the 4 ranks on 2 nodes
+    of 2 (the calibration reads LOCAL_WORLD_SIZE); then rank 1 (on one agent) is SIGKILLed after
+    the step-3 checkpoint and both agents restart their workers: the losses after the restart
+    and the final state equal the uninterrupted run's."""
+    base = [a for a in TINY if a != "--quiet"]
+    base = base[:base.index("--hardware")] + base[base.index("--hardware") + 2:]   # calibrate: nodes from env
+    common = base + ["--tp", "2", "--ep", "2", "--steps", "6", "--checkpoint-every", "3"]
+    reference = run_ranks(_train, 4, TINY + ["--tp", "2", "--ep", "2", "--steps", "6", "--checkpoint-every", "3",
+                                             "--out", str(tmp_path / "reference")])[0]
+    plain = tmp_path / "two_agents"
+    runs = _two_agents(tmp_path, "plain", ["examples/train_gpt_moe.py"], common + ["--out", str(plain)])
+    assert all(p.returncode == 0 for _, _, p in runs), [err[-3000:] for _, err, _ in runs]
+    losses = json.load(open(plain / "metrics.json"))["losses"]
+    assert max(abs(a - b) for a, b in zip(losses, reference)) <= 1e-6 and len(losses) == 6, (losses, reference)
+    report = "".join(out for out, _, _ in runs)
+    assert "4 GPUs (2 node(s) x 2)" in report, report[-3000:]
+    out = tmp_path / "restarted"
+    runs = _two_agents(tmp_path, "restart", [WORKER, "--fault", "kill:1:after-checkpoint:3", "--"],
+                       TINY + ["--tp", "2", "--ep", "2", "--steps", "6", "--checkpoint-every", "3",
+                               "--out", str(out), "--resume", "auto", "--timeout-seconds", "30"], max_restarts=1)
+    assert all(p.returncode == 0 for _, _, p in runs), [err[-3000:] for _, err, _ in runs]
+    metrics = json.load(open(out / "metrics.json"))
+    assert metrics.get("resumed_at") == 3
+    assert max(abs(a - b) for a, b in zip(metrics["losses"][3:], reference[3:])) <= 1e-6
+    mine = _checkpoint_tensors(str(out / "checkpoints" / "step_6"))
+    theirs = _checkpoint_tensors(str(tmp_path / "reference" / "checkpoints" / "step_6"))
+    assert mine.keys() == theirs.keys()
+    for key, value in theirs.items():
+        if torch.is_tensor(value):
+            assert (mine[key] - value).abs().max().item() <= 1e-6, key
