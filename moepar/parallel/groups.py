@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import datetime
 import gc
-import math
 import sys
 from typing import Iterator
 
