@@ -54,7 +54,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..moe.traffic import LayerShape, layer_collectives
+from ..moe.traffic import LayerShape, aux_group_name, layer_collectives
 from .collectives import sent_bytes
 from .hardware import Hardware
 from .model import (DTYPE_BYTES, CostLayout, Flops, Memory, MoESpec, Params, Routes, check_fits,
@@ -131,8 +131,7 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                           formula))
 
     f = dedup_fraction(spec, layout)
-    aux_group = ({"global": "world" if sp else "dp", "local": "tp" if sp else None}[spec.aux_scope]
-                 if spec.aux_loss or spec.z_loss else None)
+    aux_group = aux_group_name(spec.aux_scope, sp) if spec.aux_loss or spec.z_loss else None
     # The MoE layer's own collectives: the layer's table (moepar.moe.traffic), balanced
     # (every rank sends and receives the busiest rank's R rows; dedup: R·f of them).
     moe = LayerShape(tp=tp, ep=ep, etp=etp, sp=sp, T=T, D=D, K=K, E=E, rows=R * (1.0 if f is None else f),

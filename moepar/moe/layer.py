@@ -29,6 +29,7 @@ from .guard import GroupLoad
 from .layer_options import SharedExpertGate, routes_as_rows, sum_routes
 from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, tapped
 from .router import TopKRouter
+from .traffic import aux_group_name
 
 
 @dataclasses.dataclass
@@ -355,12 +356,10 @@ class MoE(nn.Module):
         which the TP ranks share). global: the whole global batch across data parallelism
         (Megatron-Core's global-batch load balancing), so the loss does not depend on dp.
         """
-        st = self.state
-        if self.aux_loss_scope == "global":
-            if self.sequence_parallel:
-                return dist.group.WORLD if st.world_size > 1 else None
-            return st.dp_group
-        return st.tp_group if self.sequence_parallel else None
+        st, name = self.state, aux_group_name(self.aux_loss_scope, self.sequence_parallel)
+        if name == "world":
+            return dist.group.WORLD if st.world_size > 1 else None
+        return {None: None, "tp": st.tp_group, "dp": st.dp_group}[name]
 
     def update_expert_bias(self, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing step (``expert_bias=True``): loads summed over the world."""

@@ -26,6 +26,15 @@ def fp8_row_bytes(D: int) -> int:
     return D + FP32_BYTES * (-(-D // FP8_BLOCK))
 
 
+def aux_group_name(scope: str, sequence_parallel: bool) -> str | None:
+    """The group the router's aux/z statistics are summed over: "global" scope, the whole
+    global batch ("world" under sequence parallelism, else "dp"); "local", this replica's
+    batch ("tp" under sequence parallelism, else None: this rank's tokens alone)."""
+    if scope == "global":
+        return "world" if sequence_parallel else "dp"
+    return "tp" if sequence_parallel else None
+
+
 @dataclasses.dataclass(frozen=True)
 class LayerShape:
     """What one MoE layer's collectives depend on, for one rank and one micro-batch.

@@ -25,6 +25,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from .. import checks
+
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
@@ -33,7 +35,7 @@ def as_timeout(value: datetime.timedelta | float | int | None) -> datetime.timed
     if value is None:
         return DEFAULT_TIMEOUT
     if not isinstance(value, datetime.timedelta):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if not checks.is_number(value):
             raise ValueError(f"timeout={value!r} must be a datetime.timedelta or a number of seconds")
         value = datetime.timedelta(seconds=value)
     if value.total_seconds() <= 0:
