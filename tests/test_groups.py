@@ -16,8 +16,8 @@ def test_world8_tp2_ep4_table():
     assert lay.etp_groups() == [[r] for r in range(8)]
     assert lay.ep_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert lay.edp_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert lay.coords(3) == {"tp": 1, "dp": 1, "etp": 0, "ep": 3, "edp": 0, "moe": 3}
-    assert lay.coords(6) == {"tp": 0, "dp": 3, "etp": 0, "ep": 2, "edp": 1, "moe": 2}
+    assert lay.coords(3) == {"tp": 1, "dp": 1, "etp": 0, "ep": 3, "edp": 0, "moe": 3, "pp": 0}
+    assert lay.coords(6) == {"tp": 0, "dp": 3, "etp": 0, "ep": 2, "edp": 1, "moe": 2, "pp": 0}
     # one MoE layer's block: the closure of its TP and EP groups, lcm(2, 4) = 4 ranks
     assert lay.moe_groups() == [[0, 1, 2, 3], [4, 5, 6, 7]]
     rows = lay.moe_rows(6)   # rank 6 is row 2 of block [4..7]; its TP peers 6, 7 are rows 2, 3
@@ -32,7 +32,7 @@ def test_world16_tp2_ep4_etp2_table():
     assert lay.etp_groups() == [[2 * i, 2 * i + 1] for i in range(8)]
     assert lay.ep_groups() == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
     assert lay.edp_groups() == [[j, j + 8] for j in range(8)]
-    assert lay.coords(13) == {"tp": 1, "dp": 6, "etp": 1, "ep": 2, "edp": 1, "moe": 5}
+    assert lay.coords(13) == {"tp": 1, "dp": 6, "etp": 1, "ep": 2, "edp": 1, "moe": 5, "pp": 0}
     assert lay.moe_groups() == [list(range(8)), list(range(8, 16))]   # lcm(2, 4 x 2) = 8
     rows = lay.moe_rows(13)   # EP peers 9, 11, 13, 15 (etp index 1); TP peers 12, 13
     assert (rows.me, rows.sub, rows.ep_rows, rows.tp_rows) == (5, 0, (1, 3, 5, 7), (4, 5))
@@ -109,7 +109,7 @@ def _state_on_rank(tp, ep, etp):
     out = {"line": state.describe(), "sizes": (state.tp_size, state.dp_size, state.ep_size,
                                                 state.etp_size, state.edp_size)}
     # The groups hold the ranks the layout says: all-reduce each rank's id in each group.
-    for kind in ("tp", "dp", "ep", "etp", "edp", "moe"):
+    for kind in ("tp", "dp", "ep", "etp", "edp", "moe", "pp"):
         t = torch.tensor([1 << dist.get_rank()])
         g = state.group(kind)
         if g is not None:

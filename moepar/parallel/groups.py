@@ -103,13 +103,13 @@ class ParallelState:
 
     @classmethod
     def single(cls, seed: int = 1234) -> "ParallelState":
-        return cls(Layout(1), 0, {k: None for k in ("tp", "dp", "etp", "ep", "edp", "moe")}, seed)
+        return cls(Layout(1), 0, {k: None for k in ("tp", "dp", "etp", "ep", "edp", "moe", "pp")}, seed)
 
     # sizes and ranks
     def size(self, kind: str) -> int:
         return {"tp": self.layout.tp, "dp": self.layout.dp, "etp": self.layout.etp,
                 "ep": self.layout.ep, "edp": self.layout.edp, "moe": self.layout.moe,
-                "world": self.layout.world_size}[kind]
+                "pp": self.layout.pp, "world": self.layout.world_size}[kind]
 
     def rank_in(self, kind: str) -> int:
         return self.rank if kind == "world" else self.layout.coords(self.rank)[kind]

@@ -1,7 +1,9 @@
 """The rank arithmetic of the parallel layout (torch-free: the cost model prices it).
 
-``Layout`` folds ``world_size`` ranks into ``tp x dp`` for dense layers and ``etp x ep x
-edp`` for expert layers, and names each rank's groups and its place in its MoE block
+``Layout`` cuts ``world_size`` ranks into ``pp`` pipeline stages of consecutive ranks
+(Megatron's order: the pipeline outermost), and folds each stage's ranks into ``tp x dp``
+for dense layers and ``etp x ep x edp`` for expert layers; it names each rank's groups
+(every group but the pipeline's lies inside one stage) and its place in its MoE block
 (``moepar.parallel.groups`` explains the folding and creates the process groups from it).
 Nothing here imports torch, so ``moepar.cost`` and ``python -m moepar report`` build on it
 without loading torch.
@@ -28,45 +30,66 @@ class Layout:
     tp: int = 1
     ep: int = 1
     etp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
         check_positive(world_size=self.world_size, tensor_parallel_size=self.tp,
-                        expert_parallel_size=self.ep, expert_tensor_parallel_size=self.etp)
-        if self.world_size % self.tp:
+                        expert_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+                        pipeline_parallel_size=self.pp)
+        if self.world_size % self.pp:
             raise ValueError(
-                f"world_size={self.world_size} is not divisible by tensor_parallel_size={self.tp}: "
-                f"dense layers need world_size = tensor_parallel_size x data_parallel_size")
-        if self.world_size % (self.ep * self.etp):
+                f"world_size={self.world_size} is not divisible by pipeline_parallel_size={self.pp}: "
+                f"every pipeline stage needs the same number of ranks")
+        where = "world_size" if self.pp == 1 else f"the {self.stage_size} ranks of a pipeline stage"
+        if self.stage_size % self.tp:
             raise ValueError(
-                f"world_size={self.world_size} is not divisible by expert_parallel_size={self.ep} x "
+                f"{where}={self.stage_size} is not divisible by tensor_parallel_size={self.tp}: "
+                f"dense layers need {where} = tensor_parallel_size x data_parallel_size")
+        if self.stage_size % (self.ep * self.etp):
+            raise ValueError(
+                f"{where}={self.stage_size} is not divisible by expert_parallel_size={self.ep} x "
                 f"expert_tensor_parallel_size={self.etp} = {self.ep * self.etp}: expert layers need "
-                f"world_size = ep x etp x expert_data_parallel_size")
+                f"{where} = ep x etp x expert_data_parallel_size")
+
+    @property
+    def stage_size(self) -> int:
+        """Ranks in one pipeline stage (all of them when pp = 1)."""
+        return self.world_size // self.pp
 
     @property
     def dp(self) -> int:
-        return self.world_size // self.tp
+        return self.stage_size // self.tp
 
     @property
     def edp(self) -> int:
-        return self.world_size // (self.ep * self.etp)
+        return self.stage_size // (self.ep * self.etp)
+
+    def _per_stage(self, groups: list[list[int]]) -> list[list[int]]:
+        """The groups of stage 0 repeated in every stage (stage s holds ranks s*stage_size...)."""
+        n = self.stage_size
+        return [[s * n + r for r in g] for s in range(self.pp) for g in groups]
+
+    def pp_groups(self) -> list[list[int]]:
+        n = self.stage_size
+        return [[s * n + i for s in range(self.pp)] for i in range(n)]
 
     def tp_groups(self) -> list[list[int]]:
-        return [[d * self.tp + t for t in range(self.tp)] for d in range(self.dp)]
+        return self._per_stage([[d * self.tp + t for t in range(self.tp)] for d in range(self.dp)])
 
     def dp_groups(self) -> list[list[int]]:
-        return [[d * self.tp + t for d in range(self.dp)] for t in range(self.tp)]
+        return self._per_stage([[d * self.tp + t for d in range(self.dp)] for t in range(self.tp)])
 
     def etp_groups(self) -> list[list[int]]:
         return [[b * self.etp + t for t in range(self.etp)] for b in range(self.world_size // self.etp)]
 
     def ep_groups(self) -> list[list[int]]:
         block = self.ep * self.etp
-        return [[d * block + e * self.etp + t for e in range(self.ep)]
-                for d in range(self.edp) for t in range(self.etp)]
+        return self._per_stage([[d * block + e * self.etp + t for e in range(self.ep)]
+                                for d in range(self.edp) for t in range(self.etp)])
 
     def edp_groups(self) -> list[list[int]]:
         block = self.ep * self.etp
-        return [[d * block + j for d in range(self.edp)] for j in range(block)]
+        return self._per_stage([[d * block + j for d in range(self.edp)] for j in range(block)])
 
     @property
     def moe(self) -> int:
@@ -83,22 +106,25 @@ class Layout:
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank} is outside the world of {self.world_size} ranks")
         block = self.ep * self.etp
-        return {"tp": rank % self.tp, "dp": rank // self.tp,
-                "etp": rank % self.etp, "ep": (rank % block) // self.etp, "edp": rank // block,
-                "moe": rank % self.moe}
+        local = rank % self.stage_size
+        return {"tp": local % self.tp, "dp": local // self.tp,
+                "etp": local % self.etp, "ep": (local % block) // self.etp, "edp": local // block,
+                "moe": local % self.moe, "pp": rank // self.stage_size}
 
     def all_groups(self) -> dict[str, list[list[int]]]:
         return {"tp": self.tp_groups(), "dp": self.dp_groups(), "etp": self.etp_groups(),
-                "ep": self.ep_groups(), "edp": self.edp_groups(), "moe": self.moe_groups()}
+                "ep": self.ep_groups(), "edp": self.edp_groups(), "moe": self.moe_groups(),
+                "pp": self.pp_groups()}
 
     def moe_rows(self, rank: int) -> "MoeRows":
         """Where ``rank``'s peers sit inside its MoE block (indices into the block's ranks)."""
         n = self.moe
         start = rank - rank % n
         c = self.coords(rank)
-        sub = c["edp"] * self.ep * self.etp - start          # this rank's EP x ETP sub-block
+        stage = c["pp"] * self.stage_size
+        sub = stage + c["edp"] * self.ep * self.etp - start   # this rank's EP x ETP sub-block
         ep_rows = tuple(sub + e * self.etp + c["etp"] for e in range(self.ep))
-        tp_rows = tuple(c["dp"] * self.tp + t - start for t in range(self.tp))
+        tp_rows = tuple(stage + c["dp"] * self.tp + t - start for t in range(self.tp))
         return MoeRows(rank - start, sub, ep_rows, tp_rows)
 
 
