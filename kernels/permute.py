@@ -151,7 +151,7 @@ def _use_triton(t: torch.Tensor, impl: str) -> bool:
 
 # ---- index computation (torch, O(R), shared by both paths) -----------------------------
 
-def _route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor], num_experts: int,
+def route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor], num_experts: int,
                  capacity: Optional[int], num_rows: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(counts_E int64, row_map_TK int64, route_N int64), all on the ids' device.
 
@@ -308,7 +308,7 @@ def permute_reference(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_T
     """``permute`` in plain torch (same contract, differentiable through torch autograd)."""
     check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity)
     K = expert_ids_TK.shape[1]
-    counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity, None)
+    counts_E, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, capacity, None)
     tok_N = (route_N.clamp(min=0) // K)
     x_ND = x_TD.index_select(0, tok_N)
     if capacity is not None:
@@ -378,7 +378,7 @@ def _permute_op(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Opt
                 num_experts: int, capacity: Optional[int], num_rows: Optional[int], impl: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     K = expert_ids_TK.shape[1]
-    counts_E, row_map_TK, route_N = _route_index(expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
+    counts_E, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
     if _use_triton(x_TD, impl):
         x_ND = _gather(x_TD, route_N, K, x_TD.dtype)
     else:

@@ -5,7 +5,7 @@ the accuracy against the compute-dtype dispatch."""
 import pytest
 import torch
 
-from moepar.moe import fp8
+from moepar.moe import exchange, fp8
 from moepar.parallel import init_parallel
 
 from . import moe_ref
@@ -21,9 +21,12 @@ def _slow_quantize(x_ND):
     for n in range(N):
         for b in range(B):
             blk = x_ND[n, b * 128:(b + 1) * 128].float()
+            if not torch.isfinite(blk).all():   # NaN scale, values 0: the block comes back NaN
+                scale[n, b] = float("nan")
+                q[n, b * 128:(b + 1) * 128] = torch.zeros(blk.shape).to(fp8.FP8)
+                continue
             amax = blk.abs().max()
-            s = amax / 448.0 if torch.isfinite(amax) and amax > 0 else (torch.tensor(1.0) if amax == 0
-                                                                           else torch.tensor(float("nan")))
+            s = max(amax / 448.0, torch.tensor(2.0 ** -126)) if amax > 0 else torch.tensor(1.0)
             scale[n, b] = s
             q[n, b * 128:(b + 1) * 128] = (blk / s).clamp(-448, 448).to(fp8.FP8)
     return q, scale
@@ -56,18 +59,36 @@ def _fq_straight_through(module, args):
     return (x + (fp8.fake_quantize(x) - x).detach(),) + tuple(args[1:])
 
 
-def _layer_pair(tp, ep, etp, kw, dtype):
+def _combine_with_quantized_gradient(combine_rows):
+    """The combine all-to-all in the compute dtype, whose input rows get the quantize-dequantize
+    of their gradient (row-wise: the same rows as quantizing before the reverse all-to-all)."""
+    def run(call, y, send, recv):
+        y = y.view_as(y)
+        if y.requires_grad:
+            y.register_hook(fp8.fake_quantize)
+        return combine_rows(call, y, send, recv)
+    return run
+
+
+def _layer_pair(tp, ep, etp, kw, dtype, grad_fp8=False):
     state = init_parallel(tp, ep, etp, verbose=False)
     out = {}
     for mode in ("fp8", "reference", "plain"):
-        moe = moe_ref.build(state, k=2, dispatch_dtype="fp8" if mode == "fp8" else None, **kw)
+        extra = dict(combine_grad_dtype="fp8") if grad_fp8 and mode == "fp8" else {}
+        moe = moe_ref.build(state, k=2, dispatch_dtype="fp8" if mode == "fp8" else None, **kw, **extra)
         if mode == "reference":   # the experts see the quantize-dequantize of their rows
             moe.experts.register_forward_pre_hook(_fq_straight_through)
         x, g = moe_ref.replica_input(state.dp_rank, 6)
         x = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-            y = moe(x)
-        (y.float() * g).sum().backward()
+        combine_rows = exchange._combine_rows
+        if mode == "reference" and grad_fp8:
+            exchange._combine_rows = _combine_with_quantized_gradient(combine_rows)
+        try:
+            with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
+                y = moe(x)
+            (y.float() * g).sum().backward()
+        finally:
+            exchange._combine_rows = combine_rows
         ev = [(e.nbytes, e.backward) for e in moe.stats.comm.events if e.op == "all_to_all"]
         out[mode] = (y.detach().float(), x.grad.clone(), [p.grad.clone() for p in moe.parameters()], ev,
                      moe.stats.exchange_form)
@@ -94,6 +115,23 @@ def test_fp8_layer_equals_experts_on_quantized_rows(layout, kw):
         D = moe_ref.D
         assert fwd8[0] * 4 * D == fwdr[0] * fp8.row_bytes(D), (fwd8, fwdr, form)
         assert fwd8[1:] == fwdr[1:] and [e for e in ev8 if e[1]] == [e for e in evr if e[1]]
+
+
+@pytest.mark.parametrize("layout,kw", [LAYOUTS[0], LAYOUTS[1], LAYOUTS[2], LAYOUTS[4]])
+def test_fp8_combine_gradient_equals_experts_on_quantized_gradient(layout, kw):
+    """``combine_grad_dtype="fp8"``: the gradient reaching the experts is the quantize-dequantize
+    of the combined rows' gradient; the combine's backward all-to-all carries FP8 rows."""
+    for r in run_ranks(_layer_pair, 4, *layout, kw, torch.float32, True):
+        y8, dx8, g8, ev8, form = r["fp8"]
+        yr, dxr, gr, evr, _ = r["reference"]
+        torch.testing.assert_close(y8, yr, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(dx8, dxr, atol=1e-6, rtol=1e-6)
+        for a, b in zip(g8, gr):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        bwd8, bwdr = [n for n, bwd in ev8 if bwd], [n for n, bwd in evr if bwd]
+        D = moe_ref.D
+        assert bwd8[0] * 4 * D == bwdr[0] * fp8.row_bytes(D), (bwd8, bwdr, form)   # the combine's grad
+        assert bwd8[1:] == bwdr[1:]
 
 
 def test_fp8_accuracy_and_bytes_under_bf16_autocast():

@@ -33,6 +33,7 @@ CASES = {
     "ep2 global aux, z": ((1, 2, 1, False), dict(aux_loss_scope="global", z_loss_coeff=1e-3)),
     "ep2 etp2 fp8 dispatch": ((1, 2, 2, False), dict(dispatch_dtype="fp8", num_shared_experts=1)),
     "ep4 dedup fp8 dispatch": ((1, 4, 1, False), dict(num_experts=8, dedup="on", dispatch_dtype="fp8")),
+    "tp2 ep2 fp8 dispatch and combine grad": ((2, 2, 1, False), dict(dispatch_dtype="fp8", combine_grad_dtype="fp8")),
 }
 
 
@@ -69,7 +70,8 @@ def _run(name):
                  K=2, E=E, rows=rows, received=received, etp_rows=sum(gathered) if etp > 1 else rows, b=4, b_dispatch=4,
                  b_combine=4, dedup=kw.get("dedup") == "on", padded=moe.pad_to_capacity,
                  shared=bool(kw.get("num_shared_experts")), aux_group=aux_group,
-                 z_loss=kw.get("z_loss_coeff", 0) > 0, fp8_dispatch=kw.get("dispatch_dtype") == "fp8")
+                 z_loss=kw.get("z_loss_coeff", 0) > 0, fp8_dispatch=kw.get("dispatch_dtype") == "fp8",
+                 fp8_combine_grad=kw.get("combine_grad_dtype") == "fp8")
     sizes = {"dp": state.dp_size, "world": state.world_size}
     return events, shape, sizes
 

@@ -23,6 +23,7 @@ from .router import RouterConfig
 
 DEDUP_MODES = ("off", "auto", "on")
 DISPATCH_DTYPES = (None, "fp8")
+COMBINE_GRAD_DTYPES = (None, "fp8")
 AUX_LOSS_SCOPES = ("local", "global")
 # Old keyword names that still work: name -> field.
 ALIASES = {"use_kernels": "use_kernel"}
@@ -69,6 +70,9 @@ class MoEConfig:
         "fp8": float8_e4m3fn with one fp32 scale per 128 channels, dequantized on arrival;
         the combine and the backward stay in the compute dtype (``moepar.moe.fp8``). The
         FP8 exchange is synchronous: the shared experts then run after it.
+        combine_grad_dtype: None (the backward's gradient of the combined rows goes back to
+        the experts' ranks in the compute dtype) or "fp8": quantized as the dispatch's rows
+        are, as DeepSeek-V3 does for the gradient entering the down-projection's backward.
     Load imbalance:
         receive_capacity_factor: None (no guard) or a finite f >= 1: no EP rank processes
         more than cap = ceil(f x mean) received rows, mean = the EP group's routes / ep. An
@@ -121,6 +125,7 @@ class MoEConfig:
     check_finite: bool = False
     overlap_shared_experts: bool = True
     dispatch_dtype: Optional[str] = None
+    combine_grad_dtype: Optional[str] = None
     # Load imbalance: the receive guard (moepar/moe/guard.py).
     receive_capacity_factor: Optional[float] = None
     # Hugging Face families' options (docstring above)
@@ -144,7 +149,7 @@ class MoEConfig:
                              f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}")
         for name, allowed in (("activation", ACTIVATIONS), ("aux_loss_scope", AUX_LOSS_SCOPES),
                               ("gemm_path", GEMM_PATHS), ("dedup", DEDUP_MODES),
-                              ("dispatch_dtype", DISPATCH_DTYPES)):
+                              ("dispatch_dtype", DISPATCH_DTYPES), ("combine_grad_dtype", COMBINE_GRAD_DTYPES)):
             checks.one_of(name, getattr(self, name), allowed)
         for name in ("bias", "sequence_parallel", "checkpoint_experts", "cpu_source_major", "check_finite",
                      "overlap_shared_experts", "shared_expert_gate", "router_bias", "score_before_experts"):

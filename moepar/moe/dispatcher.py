@@ -68,13 +68,15 @@ class Dispatcher:
     None, or f >= 1: no rank receives more than ceil(f x mean) rows (``guard.py``);
     ``source_major``: on gloo with CPU tensors, let the experts take the received rows
     source-major (``cpu.py``); ``padded``: capacity mode (``dispatch`` gets the capacity);
-    ``dispatch_fp8``: the dispatch all-to-all's rows in FP8 with block scales (``fp8.py``).
+    ``dispatch_fp8``: the dispatch all-to-all's rows in FP8 with block scales (``fp8.py``);
+    ``combine_grad_fp8``: the combine's gradient, sent to the experts' ranks, in FP8 too.
     ``stats`` receives every collective's event.
     """
 
     def __init__(self, num_experts: int, ep_group=None, stats: comm.CommStats | None = None, *, state=None,
                  sequence_parallel: bool = False, dedup: str = "auto", receive_capacity_factor: float | None = None,
-                 source_major: bool = False, padded: bool = False, dispatch_fp8: bool = False):
+                 source_major: bool = False, padded: bool = False, dispatch_fp8: bool = False,
+                 combine_grad_fp8: bool = False):
         if state is not None and ep_group is not None:
             raise ValueError("pass either state or an explicit ep_group to the Dispatcher, not both")
         if dedup not in DEDUP_VOTES:
@@ -84,6 +86,7 @@ class Dispatcher:
         self._state, self._ep_group = state, ep_group
         self.sequence_parallel, self.dedup = sequence_parallel, dedup
         self.source_major, self.padded, self.dispatch_fp8 = source_major, padded, dispatch_fp8
+        self.combine_grad_fp8 = combine_grad_fp8
         self.num_experts, self.stats = num_experts, stats
         self.ep = comm.group_size(self.ep_group)
         if num_experts % self.ep:
@@ -97,7 +100,7 @@ class Dispatcher:
         return cls(config.num_experts, state=state, stats=stats, sequence_parallel=config.sequence_parallel,
                    dedup=config.dedup, receive_capacity_factor=config.receive_capacity_factor,
                    source_major=config.cpu_source_major, padded=config.router.pad_to_capacity,
-                   dispatch_fp8=config.dispatch_dtype == "fp8")
+                   dispatch_fp8=config.dispatch_dtype == "fp8", combine_grad_fp8=config.combine_grad_dtype == "fp8")
 
     @property
     def ep_group(self):
@@ -110,7 +113,8 @@ class Dispatcher:
         return Topology.of_ep_group(self._ep_group)
 
     def _call(self) -> Call:
-        return Call(self.topology(), self.num_experts, self.stats, fp8=self.dispatch_fp8)
+        return Call(self.topology(), self.num_experts, self.stats, fp8=self.dispatch_fp8,
+                    fp8_grad=self.combine_grad_fp8)
 
     # ---- dispatch ---------------------------------------------------------------------
     def dispatch(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,

@@ -47,6 +47,7 @@ class Call:
     num_experts: int
     stats: comm.CommStats | None
     fp8: bool = False    # the dispatch all-to-all's rows in FP8 (``fp8.py``)
+    fp8_grad: bool = False   # the combine's gradient, sent to the experts' ranks, in FP8
 
     @property
     def L(self) -> int:
@@ -162,6 +163,14 @@ def _start_rows(call: Call, x: torch.Tensor, recv, send):
     return comm.all_to_all_start(x, call.topo.ep_group, recv, send, stats=call.stats, empty=cpu.empty)
 
 
+def _combine_rows(call: Call, y: torch.Tensor, send, recv) -> torch.Tensor:
+    """Step 9's all-to-all of the expert outputs back to their senders (its backward in FP8
+    with ``combine_grad_dtype="fp8"``)."""
+    if call.fp8_grad:
+        return fp8.combine_all_to_all(y, call.topo.ep_group, send, recv, stats=call.stats)
+    return comm.all_to_all(y, call.topo.ep_group, send, recv, stats=call.stats, empty=cpu.empty)
+
+
 def _run_during(during: During, tp_tokens) -> torch.Tensor | None:
     return None if during is None else during(tp_tokens)
 
@@ -178,7 +187,7 @@ def _return_rows(call: Call, y: torch.Tensor, etp_sizes, send, recv) -> torch.Te
     """The ETP reduce-scatter of the partial outputs, then the all-to-all back to the senders."""
     if call.topo.etp > 1:
         y = comm.reduce_scatter_to_region(y, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
-    return comm.all_to_all(y, call.topo.ep_group, send, recv, stats=call.stats, empty=cpu.empty)
+    return _combine_rows(call, y, send, recv)
 
 
 def _tokens_back(call: Call, y_TD: torch.Tensor, token_sizes) -> torch.Tensor:
@@ -207,9 +216,15 @@ class RouteRows:
                                   load=GroupLoad(load_PE, load_PE, None, 0), tp_tokens=None, row_map_TK=row_map_TK, weights_TK=r.weights_TK,
                                   send=(M,), recv=(M,), etp_sizes=None, regroup=None,
                                   token_sizes=r.token_sizes), extra
-        x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
-                                      num_rows=sum(plan.send))
-        x_recv, pending = _start_rows(call, x_ND, plan.recv, plan.send)
+        if call.fp8 and call.topo.ep > 1:   # permute and quantize in one pass
+            x_recv, row_map_TK = fp8.permute_all_to_all(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                                        sum(plan.send), call.topo.ep_group, plan.recv, plan.send,
+                                                        call.stats)
+            pending = comm.Pending()
+        else:
+            x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                          num_rows=sum(plan.send))
+            x_recv, pending = _start_rows(call, x_ND, plan.recv, plan.send)
         extra = _run_during(during, plan.tp_tokens)
         x_recv = _gather_etp(call, comm.wait_for(x_recv, pending), plan.etp_sizes)
         x_local, regroup = self._expert_major(x_recv, plan)
@@ -248,9 +263,15 @@ class SourceMajorRows(RouteRows):
 
     def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
         r = routes
-        x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
-                                      num_rows=sum(plan.send))
-        x_recv, pending = _start_rows(call, x_ND, plan.recv, plan.send)
+        if call.fp8 and call.topo.ep > 1:   # permute and quantize in one pass
+            x_recv, row_map_TK = fp8.permute_all_to_all(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                                        sum(plan.send), call.topo.ep_group, plan.recv, plan.send,
+                                                        call.stats)
+            pending = comm.Pending()
+        else:
+            x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                          num_rows=sum(plan.send))
+            x_recv, pending = _start_rows(call, x_ND, plan.recv, plan.send)
         extra = _run_during(during, plan.tp_tokens)
         x_recv = comm.wait_for(x_recv, pending)
         meta = SourceMajorMeta(form="source_major", num_tokens=r.x_TD.shape[0],
@@ -261,7 +282,7 @@ class SourceMajorRows(RouteRows):
         return x_recv, meta, extra
 
     def combine(self, call: Call, y: torch.Tensor, meta: SourceMajorMeta) -> torch.Tensor:
-        y = comm.all_to_all(y, call.topo.ep_group, meta.send, meta.recv, stats=call.stats, empty=cpu.empty)
+        y = _combine_rows(call, y, meta.send, meta.recv)
         y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0])
         return _tokens_back(call, y, meta.token_sizes)
 
@@ -293,7 +314,7 @@ class DedupRows:
 
     def combine(self, call: Call, y: torch.Tensor, meta: DedupMeta) -> torch.Tensor:
         y = unpermute(y, meta.row_map_MK, meta.weights_MK, meta.row_map_MK.shape[0])
-        y = comm.all_to_all(y, call.topo.ep_group, meta.send, meta.recv, stats=call.stats, empty=cpu.empty)
+        y = _combine_rows(call, y, meta.send, meta.recv)
         # The weights were applied on the receiver: the sender sums a token's rows with weight 1.
         y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0])
         return _tokens_back(call, y, meta.token_sizes)

@@ -1,19 +1,26 @@
 """FP8 token dispatch (``MoEConfig.dispatch_dtype="fp8"``), as DeepSeek-V3 trains.
 
-Legend (docs/moe.md): N rows, D hidden, B = ceil(D / 128) scale blocks per row.
+Legend (docs/moe.md): T tokens, N rows, D hidden, B = ceil(D / 128) scale blocks per row.
 
 Before the dispatch all-to-all each row is quantized to ``float8_e4m3fn`` with one fp32
-scale per block of 128 channels (DeepSeek-V3's 1x128 activation tiles): scale = amax / 448
-(448 is e4m3's largest finite value), exact in fp32 with no rounding to a power of two; a
-block of zeros takes scale 1 (its values stay 0); a block holding a NaN or an infinity
-takes a NaN scale and comes back all NaN (the layer's ``check_finite`` refuses such inputs
-before the dispatch). The values are ``x / scale`` clamped to [-448, 448] and rounded to
-nearest (torch's cast). The scales travel in the same exchange as the rows: each row is
-sent as D + 4·B bytes (``row_bytes``), so the all-to-all carries (D + 4·D/128) / (2·D) =
-0.52x the bytes of bf16 rows. After the exchange the rows are dequantized to the compute
-dtype, and the experts compute as before. The combine all-to-all and every backward
-all-to-all stay in the compute dtype; the gradient passes the quantization straight
-through (the quantized rows' gradient is the rows' gradient), as in DeepSeek-V3's recipe.
+scale per block of 128 channels (DeepSeek-V3's 1x128 activation tiles). The rule lives
+with its kernel in ``moepar_kernels.permute_fp8`` (scale = max(amax / 448, 2^-126) in fp32,
+a block of zeros scale 1, a block holding a NaN or an infinity scale NaN and values 0 so
+that it comes back all NaN; values clamped to [-448, 448], rounded to nearest even). The
+scales travel in the same exchange as the rows: each row is sent as D + 4·B bytes
+(``row_bytes``), so the all-to-all carries (D + 4·D/128) / (2·D) = 0.52x the bytes of
+bf16 rows. After the exchange the rows are dequantized to the compute dtype and the
+experts compute as before. The gradient passes the quantization straight through (the
+quantized rows' gradient is the rows' gradient), as in DeepSeek-V3's recipe.
+
+Row-per-route dispatch (the default dropless form) permutes and quantizes in one pass
+(``permute_all_to_all``: one Triton kernel on CUDA writes the FP8 rows and their scales in
+expert-major order; the torch reference elsewhere, bit for bit the same); the other
+exchange forms quantize their already permuted rows (``all_to_all``).
+
+``MoEConfig.combine_grad_dtype="fp8"``: in backward, the gradient of the combine's rows,
+which goes back to the experts' ranks (the expert outputs' gradient, DeepSeek-V3 sends it
+in FP8 before the down-projection's backward), crosses the same way (``combine_all_to_all``).
 
 Rows are sent as bytes (uint8), which every backend carries (gloo has no float8 type); on
 CUDA the quantization runs where the rows are, with no host read.
@@ -25,11 +32,19 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
+from moepar_kernels.permute import route_index, unpermute
+from moepar_kernels.permute_checks import check_permute_args
+from moepar_kernels.permute_fp8 import (BLOCK as KERNEL_BLOCK, E4M3_MAX, FP8, pack, permute_quantize,
+                                        quantize_reference as quantize)
+
 from ..parallel import comm
 from .traffic import FP8_BLOCK as BLOCK, fp8_row_bytes
 
-E4M3_MAX = 448.0
-FP8 = torch.float8_e4m3fn
+if KERNEL_BLOCK != BLOCK:   # the cost model's bytes and the kernel's blocks must agree
+    raise ImportError(f"moepar_kernels.permute_fp8.BLOCK={KERNEL_BLOCK} != traffic.FP8_BLOCK={BLOCK}")
+
+__all__ = ["E4M3_MAX", "FP8", "quantize", "dequantize", "pack", "unpack", "fake_quantize", "row_bytes",
+           "all_to_all", "permute_all_to_all", "combine_all_to_all"]
 
 
 def scale_blocks(D: int) -> int:
@@ -38,21 +53,6 @@ def scale_blocks(D: int) -> int:
 
 
 row_bytes = fp8_row_bytes   # bytes one row takes on the wire: D fp8 values and B fp32 scales
-
-
-def quantize(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_ND float8_e4m3fn, scale_NB fp32): x ~ q * scale per 128-channel block."""
-    N, D = x_ND.shape
-    B = scale_blocks(D)
-    x = x_ND.detach().float()
-    if B * BLOCK != D:
-        x = F.pad(x, (0, B * BLOCK - D))
-    blocks = x.view(N, B, BLOCK)
-    amax = blocks.abs().amax(-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
-    scale = torch.where(torch.isfinite(amax), scale, torch.full_like(amax, float("nan")))
-    q = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(FP8)
-    return q.view(N, B * BLOCK)[:, :D], scale
 
 
 def dequantize(q_ND: torch.Tensor, scale_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -65,12 +65,6 @@ def dequantize(q_ND: torch.Tensor, scale_NB: torch.Tensor, dtype: torch.dtype) -
     return (x.view(N, B, BLOCK) * scale_NB[..., None]).view(N, B * BLOCK)[:, :D].to(dtype)
 
 
-def pack(q_ND: torch.Tensor, scale_NB: torch.Tensor) -> torch.Tensor:
-    """[N, D + 4B] uint8: each row's fp8 values, then its fp32 scales' bytes."""
-    N = q_ND.shape[0]
-    return torch.cat([q_ND.contiguous().view(torch.uint8), scale_NB.contiguous().view(torch.uint8).view(N, -1)], 1)
-
-
 def unpack(packed: torch.Tensor, D: int, dtype: torch.dtype) -> torch.Tensor:
     """The rows ``pack`` sent, dequantized to ``dtype``."""
     q = packed[:, :D].contiguous().view(FP8)
@@ -81,6 +75,10 @@ def unpack(packed: torch.Tensor, D: int, dtype: torch.dtype) -> torch.Tensor:
 def fake_quantize(x_ND: torch.Tensor) -> torch.Tensor:
     """What the receiver gets for ``x_ND``: dequantize(quantize(x)) in x's dtype (no grad)."""
     return dequantize(*quantize(x_ND), x_ND.dtype)
+
+
+def _splits(sizes: Sequence[int] | None):
+    return None if sizes is None else tuple(int(s) for s in sizes)
 
 
 class _FP8AllToAll(torch.autograd.Function):
@@ -104,6 +102,63 @@ def all_to_all(x_ND: torch.Tensor, group, output_split_sizes: Sequence[int] | No
     """The dispatch all-to-all with FP8 rows (a group of one rank moves nothing: x itself)."""
     if comm.group_size(group) == 1:
         return x_ND
-    out_s = None if output_split_sizes is None else tuple(int(s) for s in output_split_sizes)
-    in_s = None if input_split_sizes is None else tuple(int(s) for s in input_split_sizes)
-    return _FP8AllToAll.apply(x_ND, group, out_s, in_s, stats)
+    return _FP8AllToAll.apply(x_ND, group, _splits(output_split_sizes), _splits(input_split_sizes), stats)
+
+
+class _PermuteFP8AllToAll(torch.autograd.Function):
+    """Forward: the packed rows (permuted and quantized in one pass) all-to-all'd as bytes and
+    dequantized on arrival; backward: the reverse all-to-all of the gradient in the compute
+    dtype, then the permute's backward (each token's routes summed)."""
+
+    @staticmethod
+    def forward(ctx, x_TD, packed_NP, row_map_TK, group, out_splits, in_splits, stats):
+        ctx.group, ctx.out_s, ctx.in_s, ctx.stats, ctx.T = group, out_splits, in_splits, stats, x_TD.shape[0]
+        ctx.save_for_backward(row_map_TK)
+        recv = comm.all_to_all_rows(packed_NP, group, out_splits, in_splits, stats=stats)
+        return unpack(recv, x_TD.shape[1], x_TD.dtype)
+
+    @staticmethod
+    def backward(ctx, g):
+        (row_map_TK,) = ctx.saved_tensors
+        g_ND = comm.all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True, stats=ctx.stats)
+        return unpermute(g_ND, row_map_TK, None, ctx.T), None, None, None, None, None, None
+
+
+def permute_all_to_all(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
+                       num_experts: int, num_rows: int, group, output_split_sizes: Sequence[int],
+                       input_split_sizes: Sequence[int], stats: comm.CommStats | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row-per-route dispatch with FP8 rows: ``permute`` and ``all_to_all`` in one, the
+    quantization fused into the permute (``moepar_kernels.permute_fp8``). Returns the received
+    rows (dequantized, differentiable w.r.t. ``x_TD``) and ``row_map_TK``. ``num_rows``: the
+    kept routes (the dispatcher knows them from its counts exchange; no host read)."""
+    check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, None, num_rows)
+    _, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, None, num_rows)
+    packed_NP = permute_quantize(x_TD, route_N, expert_ids_TK.shape[1])
+    out = _PermuteFP8AllToAll.apply(x_TD, packed_NP, row_map_TK, group, _splits(output_split_sizes),
+                                    _splits(input_split_sizes), stats)
+    return out, row_map_TK
+
+
+class _FP8GradAllToAll(torch.autograd.Function):
+    """Forward: the combine all-to-all in the compute dtype; backward: the gradient quantized,
+    all-to-all'd as bytes to the experts' ranks and dequantized there."""
+
+    @staticmethod
+    def forward(ctx, y_ND, group, out_splits, in_splits, stats):
+        ctx.group, ctx.out_s, ctx.in_s, ctx.stats = group, out_splits, in_splits, stats
+        return comm.all_to_all_rows(y_ND, group, out_splits, in_splits, stats=stats)
+
+    @staticmethod
+    def backward(ctx, g):
+        packed = comm.all_to_all_rows(pack(*quantize(g)), ctx.group, ctx.in_s, ctx.out_s, backward=True,
+                                      stats=ctx.stats)
+        return unpack(packed, g.shape[1], g.dtype), None, None, None, None
+
+
+def combine_all_to_all(y_ND: torch.Tensor, group, output_split_sizes: Sequence[int] | None,
+                       input_split_sizes: Sequence[int] | None, stats: comm.CommStats | None = None) -> torch.Tensor:
+    """The combine all-to-all whose backward sends the gradient in FP8 (``combine_grad_dtype``)."""
+    if comm.group_size(group) == 1:
+        return y_ND
+    return _FP8GradAllToAll.apply(y_ND, group, _splits(output_split_sizes), _splits(input_split_sizes), stats)

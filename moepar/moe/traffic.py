@@ -44,6 +44,7 @@ class LayerShape:
     ``rows`` (R): the rows this rank sends in the token all-to-all (its kept routes; with dedup
     its dedup rows); ``fp8_dispatch``: the dispatch rows cross as FP8 with their scales
     (``fp8_row_bytes`` a row, ``b_dispatch`` unused), the rest in the compute dtype;
+    ``fp8_combine_grad``: so does the combine's gradient, sent back to the experts' ranks;
     ``received`` (M): the rows it receives there (None: R, balanced), which it
     sends back in the combine; ``etp_rows``: the rows its expert-TP group gathers (etp x rows when
     balanced); b bytes per activation element, ``b_dispatch`` / ``b_combine`` per element of
@@ -70,6 +71,7 @@ class LayerShape:
     z_loss: bool = False
     received: float | None = None
     fp8_dispatch: bool = False
+    fp8_combine_grad: bool = False
 
     @property
     def block(self) -> int:
@@ -118,9 +120,9 @@ def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
         if fwd and not s.padded:
             add("3", "MoE counts", "all_gather", "moe", phase, counts_message.message_bytes(E, s.ep, s.block),
                 f"block·(E+{len(counts_message.FIELDS)}+ep)·8")
-        if fwd and s.fp8_dispatch:
-            add("5", "MoE dispatch", "all_to_all", "ep", phase, R * fp8_row_bytes(D),
-                f"R·(D+4·⌈D/{FP8_BLOCK}⌉) fp8{dd}")
+        if (s.fp8_dispatch if fwd else s.fp8_combine_grad):
+            add("5", "MoE dispatch" if fwd else "MoE combine grad", "all_to_all", "ep", phase,
+                R * fp8_row_bytes(D), f"R·(D+4·⌈D/{FP8_BLOCK}⌉) fp8{dd}")
         else:   # the combine's gradient travels in the expert outputs' dtype
             add("5", "MoE dispatch" if fwd else "MoE combine grad", "all_to_all", "ep", phase,
                 R * D * (s.b_dispatch if fwd else s.b_combine), f"R·D·{bd if fwd else bc}{dd}")

@@ -1,0 +1,182 @@
+"""Permute and quantize in one pass: the send buffer of the FP8 dispatch.
+
+Legend (``permute.py``): T tokens, D hidden, K routes per token, N rows, ``route_N[n]`` the
+route of row n (its token is ``route_N[n] // K``, -1 a padding row); B = ceil(D / 128)
+scale blocks per row, P = D + 4·B bytes per packed row.
+
+``permute_quantize(x_TD, route_N, K)`` returns ``packed_NP`` (uint8): row n holds the
+float8_e4m3fn values of token ``route_N[n] // K``, then the B fp32 scales' bytes
+(little-endian), the wire format ``moepar.moe.fp8`` sends and unpacks. One kernel pass
+reads each routed token row once and writes its FP8 row and scales in expert-major order;
+the unquantized permuted rows are never materialized.
+
+The rule, per block of 128 channels (the last may be partial), identical in the kernel and
+the reference (tests compare the bytes):
+
+* amax = max |x| over the block; scale = max(amax / 448, 2^-126) in fp32, rounded to
+  nearest (448 is e4m3's largest finite value; the floor keeps the scale a normal number,
+  so x / scale never overflows on a block of denormals);
+* a block of zeros (and a padding row): scale 1, values 0;
+* a block holding a NaN or an infinity: scale NaN, values 0, so it comes back all NaN (the
+  MoE layer's ``check_finite`` refuses such inputs before the dispatch);
+* q = clamp(x / scale, -448, 448) rounded to nearest even in e4m3 (division rounded to
+  nearest: ``div_rn`` in the kernel, IEEE division in torch). The kernel rounds to e4m3
+  with integer arithmetic on the fp32 bits (``_e4m3_bits``), not with a float8 cast: the
+  result is the same on every backend, and the Triton interpreter's own float8 cast does
+  not round to nearest even (it can lose the carry into the exponent).
+
+``impl="auto"`` runs the kernel on CUDA and the reference elsewhere; "triton" forces the
+kernel (tests, under ``TRITON_INTERPRET=1``), "reference" forces torch.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .permute import _blocks, _use_triton, IMPLS
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # triton is Linux-only; the reference path works without it
+    triton = None
+    tl = None
+
+BLOCK = 128                  # channels per scale (DeepSeek-V3's 1x128 activation tiles)
+E4M3_MAX = 448.0             # e4m3's largest finite value
+MIN_SCALE = 2.0 ** -126      # the smallest normal fp32: the scale's floor
+FP8 = torch.float8_e4m3fn
+
+
+def scale_blocks(D: int) -> int:
+    """B: scale blocks per row of D channels."""
+    return -(-D // BLOCK)
+
+
+def packed_width(D: int) -> int:
+    """P: bytes of one packed row, D FP8 values then B fp32 scales."""
+    return D + 4 * scale_blocks(D)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _e4m3_bits(y):
+        """float8_e4m3fn codes (int32, 0..255) of finite fp32 ``y`` with |y| <= 448, rounded
+        to nearest even: the normal range by rounding the fp32 bits to 3 mantissa bits (the
+        carry runs into the exponent) and rebiasing 127 -> 7; below 2^-6 the subnormal
+        multiple k of 2^-9, rounded from the 24-bit significand."""
+        bits = y.to(tl.int32, bitcast=True)
+        sign = (bits >> 31) & 1
+        mag = bits & 0x7FFFFFFF
+        normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
+        exp = mag >> 23                                   # biased fp32 exponent
+        m = (mag & 0x7FFFFF) | 0x800000                   # significand with its leading 1
+        shift = tl.minimum(tl.maximum(-exp + 141, 1), 30)  # y = m * 2^-shift units of 2^-9
+        k = m >> shift
+        rem = m & ((1 << shift) - 1)
+        half = 1 << (shift - 1)
+        k = k + ((rem > half) | ((rem == half) & ((k & 1) == 1))).to(tl.int32)
+        k = tl.where(exp >= 1, k, 0)                      # fp32 denormals round to 0
+        code = tl.where(exp >= 121, normal, k)            # 121 - 127 = -6: e4m3's first normal
+        return code | (sign << 7)
+
+    @triton.jit
+    def _permute_quantize_kernel(src_ptr, route_ptr, bytes_ptr, num_rows, D, K, stride_src, stride_out,
+                                 BF16_BITS: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr):
+        # grid: (row tiles, scale blocks); one program quantizes BLOCK_N rows' block b.
+        pid = tl.program_id(0)
+        b = tl.program_id(1)
+        rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < num_rows
+        route = tl.load(route_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
+        valid = route >= 0
+        tok = tl.where(valid, route // K, 0)
+        c = b * QBLOCK + tl.arange(0, QBLOCK)
+        c_ok = c < D
+        x = tl.load(src_ptr + tok[:, None] * stride_src + c[None, :], mask=valid[:, None] & c_ok[None, :], other=0)
+        if BF16_BITS:   # bf16 rows read as int16: fp32 = the bits shifted up (denormals kept)
+            x = ((x.to(tl.int32) & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+        else:
+            x = x.to(tl.float32)
+        ax = tl.abs(x)
+        bad = (x != x) | (ax == float("inf"))
+        n_bad = tl.sum(bad.to(tl.int32), axis=1)
+        amax = tl.max(tl.where(bad, 0.0, ax), axis=1)
+        scale = tl.maximum(tl.math.div_rn(amax, E4M3_MAX), MIN_SCALE)
+        scale = tl.where(amax > 0, scale, 1.0)
+        scale = tl.where(n_bad > 0, float("nan"), scale)
+        y = tl.math.div_rn(x, scale[:, None])
+        y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+        y = tl.where(n_bad[:, None] > 0, 0.0, y)
+        out = rows[:, None] * stride_out + c[None, :]
+        tl.store(bytes_ptr + out, _e4m3_bits(y).to(tl.uint8), mask=row_ok[:, None] & c_ok[None, :])
+        bits = scale.to(tl.int32, bitcast=True)
+        at = bytes_ptr + rows * stride_out + D + 4 * b
+        for j in tl.static_range(4):
+            tl.store(at + j, ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=row_ok)
+
+
+def quantize_reference(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q_ND float8_e4m3fn, scale_NB fp32) by the rule above, in plain torch."""
+    N, D = x_ND.shape
+    B = scale_blocks(D)
+    x = x_ND.detach().float()
+    if B * BLOCK != D:
+        x = F.pad(x, (0, B * BLOCK - D))
+    blocks = x.view(N, B, BLOCK)
+    bad = ~torch.isfinite(blocks).all(-1)
+    amax = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(-1)
+    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp(min=MIN_SCALE), 1.0)
+    scale = torch.where(bad, float("nan"), scale)
+    y = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
+    q = torch.where(bad[..., None], 0.0, y).to(FP8)
+    return q.view(N, B * BLOCK)[:, :D], scale
+
+
+def pack(q_ND: torch.Tensor, scale_NB: torch.Tensor) -> torch.Tensor:
+    """[N, P] uint8: each row's FP8 values, then its fp32 scales' bytes."""
+    N = q_ND.shape[0]
+    return torch.cat([q_ND.contiguous().view(torch.uint8),
+                      scale_NB.contiguous().view(torch.uint8).view(N, -1)], 1)
+
+
+def permute_quantize_reference(x_TD: torch.Tensor, route_N: torch.Tensor, K: int) -> torch.Tensor:
+    """The packed rows in plain torch: gather, then ``quantize_reference`` and ``pack``."""
+    rows = x_TD.index_select(0, route_N.clamp(min=0) // K)
+    rows = torch.where((route_N >= 0)[:, None], rows, 0)
+    return pack(*quantize_reference(rows))
+
+
+def _permute_quantize(x_TD: torch.Tensor, route_N: torch.Tensor, K: int) -> torch.Tensor:
+    N, D = route_N.shape[0], x_TD.shape[1]
+    packed = torch.empty(N, packed_width(D), dtype=torch.uint8, device=x_TD.device)
+    if N == 0 or D == 0:
+        return packed
+    x_TD = x_TD if x_TD.stride(1) == 1 else x_TD.contiguous()
+    bf16 = x_TD.dtype == torch.bfloat16
+    block_n = _blocks(N, BLOCK)[0]
+    _permute_quantize_kernel[(triton.cdiv(N, block_n), scale_blocks(D))](
+        x_TD.view(torch.int16) if bf16 else x_TD, route_N, packed, N, D, K, x_TD.stride(0), packed.stride(0),
+        BF16_BITS=bf16, BLOCK_N=block_n, QBLOCK=BLOCK, num_warps=4)
+    return packed
+
+
+def permute_quantize(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, *, impl: str = "auto") -> torch.Tensor:
+    """``packed_NP`` (uint8, on x's device): row n the FP8 row and scales of token
+    ``route_N[n] // K`` (zeros and scale 1 where ``route_N[n] < 0``). Not differentiable:
+    the FP8 dispatch passes the gradient straight through (``moepar.moe.fp8``)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    if x_TD.dim() != 2 or route_N.dim() != 1:
+        raise ValueError(f"x_TD must be [T, D] and route_N [N]; got {tuple(x_TD.shape)} and "
+                         f"{tuple(route_N.shape)}")
+    if not x_TD.is_floating_point() or route_N.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"x_TD must be floating point and route_N int32/int64; got {x_TD.dtype} "
+                         f"and {route_N.dtype}")
+    if K < 1:
+        raise ValueError(f"K={K} must be >= 1 (routes per token)")
+    x_TD = x_TD.detach()
+    if _use_triton(x_TD, impl):
+        return _permute_quantize(x_TD, route_N, int(K))
+    return permute_quantize_reference(x_TD, route_N, int(K))
