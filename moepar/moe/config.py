@@ -68,8 +68,8 @@ class MoEConfig:
         flight (False: after the combine; the same numbers either way).
         dispatch_dtype: None (the rows cross the dispatch all-to-all in the compute dtype) or
         "fp8": float8_e4m3fn with one fp32 scale per 128 channels, dequantized on arrival;
-        the combine and the backward stay in the compute dtype (``moepar.moe.fp8``). The
-        FP8 exchange is synchronous: the shared experts then run after it.
+        the combine and the backward stay in the compute dtype (``moepar.moe.fp8``); the
+        shared experts overlap the FP8 exchange as they do the compute-dtype one.
         combine_grad_dtype: None (the backward's gradient of the combined rows goes back to
         the experts' ranks in the compute dtype) or "fp8": quantized as the dispatch's rows
         are, as DeepSeek-V3 does for the gradient entering the down-projection's backward.

@@ -157,9 +157,9 @@ def regroup_index(counts_SL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor,
 
 def _start_rows(call: Call, x: torch.Tensor, recv, send):
     """Step 5's token all-to-all, issued without waiting; with FP8 dispatch the rows go as
-    bytes and are dequantized on arrival (synchronous: the shared experts then run after it)."""
+    bytes and are dequantized when it is waited on."""
     if call.fp8:
-        return fp8.all_to_all(x, call.topo.ep_group, recv, send, stats=call.stats), comm.Pending()
+        return fp8.all_to_all_start(x, call.topo.ep_group, recv, send, stats=call.stats)
     return comm.all_to_all_start(x, call.topo.ep_group, recv, send, stats=call.stats, empty=cpu.empty)
 
 
@@ -217,10 +217,9 @@ class RouteRows:
                                   send=(M,), recv=(M,), etp_sizes=None, regroup=None,
                                   token_sizes=r.token_sizes), extra
         if call.fp8 and call.topo.ep > 1:   # permute and quantize in one pass
-            x_recv, row_map_TK = fp8.permute_all_to_all(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
-                                                        sum(plan.send), call.topo.ep_group, plan.recv, plan.send,
-                                                        call.stats)
-            pending = comm.Pending()
+            x_recv, pending, row_map_TK = fp8.permute_all_to_all_start(
+                r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts, sum(plan.send), call.topo.ep_group,
+                plan.recv, plan.send, call.stats)
         else:
             x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
                                           num_rows=sum(plan.send))
@@ -264,10 +263,9 @@ class SourceMajorRows(RouteRows):
     def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
         r = routes
         if call.fp8 and call.topo.ep > 1:   # permute and quantize in one pass
-            x_recv, row_map_TK = fp8.permute_all_to_all(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
-                                                        sum(plan.send), call.topo.ep_group, plan.recv, plan.send,
-                                                        call.stats)
-            pending = comm.Pending()
+            x_recv, pending, row_map_TK = fp8.permute_all_to_all_start(
+                r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts, sum(plan.send), call.topo.ep_group,
+                plan.recv, plan.send, call.stats)
         else:
             x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
                                           num_rows=sum(plan.send))

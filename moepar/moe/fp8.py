@@ -13,8 +13,10 @@ bf16 rows. After the exchange the rows are dequantized to the compute dtype and 
 experts compute as before. The gradient passes the quantization straight through (the
 quantized rows' gradient is the rows' gradient), as in DeepSeek-V3's recipe.
 
-Row-per-route dispatch (the default dropless form) permutes and quantizes in one pass
-(``permute_all_to_all``: one Triton kernel on CUDA writes the FP8 rows and their scales in
+The exchange is issued without waiting (``all_to_all_start``), so the shared experts run
+while it is in flight, as in the compute-dtype dispatch; the rows are dequantized when it
+is waited on. Row-per-route dispatch (the default dropless form) permutes and quantizes in
+one pass (``permute_all_to_all_start``: one Triton kernel on CUDA writes the FP8 rows and their scales in
 expert-major order; the torch reference elsewhere, bit for bit the same); the other
 exchange forms quantize their already permuted rows (``all_to_all``).
 
@@ -44,7 +46,7 @@ if KERNEL_BLOCK != BLOCK:   # the cost model's bytes and the kernel's blocks mus
     raise ImportError(f"moepar_kernels.permute_fp8.BLOCK={KERNEL_BLOCK} != traffic.FP8_BLOCK={BLOCK}")
 
 __all__ = ["E4M3_MAX", "FP8", "quantize", "dequantize", "pack", "unpack", "fake_quantize", "row_bytes",
-           "all_to_all", "permute_all_to_all", "combine_all_to_all"]
+           "all_to_all", "all_to_all_start", "permute_all_to_all_start", "combine_all_to_all"]
 
 
 def scale_blocks(D: int) -> int:
@@ -81,63 +83,70 @@ def _splits(sizes: Sequence[int] | None):
     return None if sizes is None else tuple(int(s) for s in sizes)
 
 
-class _FP8AllToAll(torch.autograd.Function):
-    """Forward: the rows quantized, packed and all-to-all'd as bytes, dequantized on arrival;
-    backward: the reverse all-to-all of the gradient in the compute dtype (straight through)."""
+class _ReceivedRows(torch.autograd.Function):
+    """The received rows in the compute dtype: a buffer that the exchange's ``Pending`` fills
+    (dequantizing the received bytes) when it is waited on. Backward: the reverse all-to-all
+    of the gradient in the compute dtype (straight through the quantization), then the
+    permute's backward when the rows were permuted in the same pass (``row_map_TK``)."""
 
     @staticmethod
-    def forward(ctx, x_ND, group, out_splits, in_splits, stats):
-        ctx.group, ctx.out_s, ctx.in_s, ctx.stats = group, out_splits, in_splits, stats
-        packed = comm.all_to_all_rows(pack(*quantize(x_ND)), group, out_splits, in_splits, stats=stats)
-        return unpack(packed, x_ND.shape[1], x_ND.dtype)
+    def forward(ctx, x, row_map_TK, group, out_splits, in_splits, stats, num_rows):
+        ctx.group, ctx.out_s, ctx.in_s, ctx.stats, ctx.T = group, out_splits, in_splits, stats, x.shape[0]
+        ctx.permuted = row_map_TK is not None
+        if ctx.permuted:
+            ctx.save_for_backward(row_map_TK)
+        return x.new_empty(num_rows, x.shape[1])
 
     @staticmethod
     def backward(ctx, g):
-        return (comm.all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True, stats=ctx.stats),
-                None, None, None, None)
+        g = comm.all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True, stats=ctx.stats)
+        if ctx.permuted:
+            (row_map_TK,) = ctx.saved_tensors
+            g = unpermute(g, row_map_TK, None, ctx.T)
+        return g, None, None, None, None, None, None
+
+
+def _start(x, packed, row_map_TK, group, output_split_sizes, input_split_sizes, stats):
+    out_s, in_s = _splits(output_split_sizes), _splits(input_split_sizes)
+    num_rows = packed.shape[0] if out_s is None else sum(out_s)
+    recv, pending = comm.all_to_all_start(packed, group, out_s, in_s, stats=stats)
+    rows = _ReceivedRows.apply(x, row_map_TK, group, out_s, in_s, stats, num_rows)
+    D = x.shape[1]
+    pending.then(lambda: rows.copy_(unpack(recv, D, rows.dtype)))
+    return rows, pending
+
+
+def all_to_all_start(x_ND: torch.Tensor, group, output_split_sizes: Sequence[int] | None,
+                     input_split_sizes: Sequence[int] | None, stats: comm.CommStats | None = None
+                     ) -> tuple[torch.Tensor, comm.Pending]:
+    """The dispatch all-to-all with FP8 rows, issued without waiting: (rows, pending), the
+    rows usable after ``comm.wait_for(rows, pending)`` (work queued before it overlaps the
+    transfer). A group of one rank moves nothing: x itself."""
+    if comm.group_size(group) == 1:
+        return x_ND, comm.Pending()
+    return _start(x_ND, pack(*quantize(x_ND)), None, group, output_split_sizes, input_split_sizes, stats)
 
 
 def all_to_all(x_ND: torch.Tensor, group, output_split_sizes: Sequence[int] | None,
                input_split_sizes: Sequence[int] | None, stats: comm.CommStats | None = None) -> torch.Tensor:
-    """The dispatch all-to-all with FP8 rows (a group of one rank moves nothing: x itself)."""
-    if comm.group_size(group) == 1:
-        return x_ND
-    return _FP8AllToAll.apply(x_ND, group, _splits(output_split_sizes), _splits(input_split_sizes), stats)
+    """``all_to_all_start`` and its wait."""
+    return comm.wait_for(*all_to_all_start(x_ND, group, output_split_sizes, input_split_sizes, stats))
 
 
-class _PermuteFP8AllToAll(torch.autograd.Function):
-    """Forward: the packed rows (permuted and quantized in one pass) all-to-all'd as bytes and
-    dequantized on arrival; backward: the reverse all-to-all of the gradient in the compute
-    dtype, then the permute's backward (each token's routes summed)."""
-
-    @staticmethod
-    def forward(ctx, x_TD, packed_NP, row_map_TK, group, out_splits, in_splits, stats):
-        ctx.group, ctx.out_s, ctx.in_s, ctx.stats, ctx.T = group, out_splits, in_splits, stats, x_TD.shape[0]
-        ctx.save_for_backward(row_map_TK)
-        recv = comm.all_to_all_rows(packed_NP, group, out_splits, in_splits, stats=stats)
-        return unpack(recv, x_TD.shape[1], x_TD.dtype)
-
-    @staticmethod
-    def backward(ctx, g):
-        (row_map_TK,) = ctx.saved_tensors
-        g_ND = comm.all_to_all_rows(g, ctx.group, ctx.in_s, ctx.out_s, backward=True, stats=ctx.stats)
-        return unpermute(g_ND, row_map_TK, None, ctx.T), None, None, None, None, None, None
-
-
-def permute_all_to_all(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
-                       num_experts: int, num_rows: int, group, output_split_sizes: Sequence[int],
-                       input_split_sizes: Sequence[int], stats: comm.CommStats | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The row-per-route dispatch with FP8 rows: ``permute`` and ``all_to_all`` in one, the
-    quantization fused into the permute (``moepar_kernels.permute_fp8``). Returns the received
-    rows (dequantized, differentiable w.r.t. ``x_TD``) and ``row_map_TK``. ``num_rows``: the
-    kept routes (the dispatcher knows them from its counts exchange; no host read)."""
+def permute_all_to_all_start(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
+                             num_experts: int, num_rows: int, group, output_split_sizes: Sequence[int],
+                             input_split_sizes: Sequence[int], stats: comm.CommStats | None = None
+                             ) -> tuple[torch.Tensor, comm.Pending, torch.Tensor]:
+    """The row-per-route dispatch with FP8 rows: ``permute`` and ``all_to_all_start`` in one,
+    the quantization fused into the permute (``moepar_kernels.permute_fp8``). Returns the
+    received rows (dequantized once ``pending`` is waited on; differentiable w.r.t. ``x_TD``),
+    the pending exchange and ``row_map_TK``. ``num_rows``: the kept routes (the dispatcher
+    knows them from its counts exchange; no host read). The group has more than one rank."""
     check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, None, num_rows)
     _, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, None, num_rows)
     packed_NP = permute_quantize(x_TD, route_N, expert_ids_TK.shape[1])
-    out = _PermuteFP8AllToAll.apply(x_TD, packed_NP, row_map_TK, group, _splits(output_split_sizes),
-                                    _splits(input_split_sizes), stats)
-    return out, row_map_TK
+    rows, pending = _start(x_TD, packed_NP, row_map_TK, group, output_split_sizes, input_split_sizes, stats)
+    return rows, pending, row_map_TK
 
 
 class _FP8GradAllToAll(torch.autograd.Function):

@@ -358,12 +358,22 @@ class _AllToAll(torch.autograd.Function):
 
 
 class Pending:
-    """An all-to-all in flight (``all_to_all_start``): ``wait`` makes its output usable."""
+    """An all-to-all in flight (``all_to_all_start``): ``wait`` makes its output usable, then
+    runs what was queued with ``then`` (e.g. dequantizing the received FP8 rows)."""
 
     def __init__(self) -> None:
         self.work = None
         self._record = None
+        self._then: list = []
         self.group, self.t0 = None, 0.0   # for the error, should the transfer fail
+
+    def then(self, fn) -> None:
+        """Run ``fn()`` once the transfer has completed (at ``wait``)."""
+        self._then.append(fn)
+
+    @property
+    def done(self) -> bool:
+        return self.work is None and self._record is None and not self._then
 
     def wait(self) -> None:
         if self.work is not None:
@@ -375,6 +385,9 @@ class Pending:
         if self._record is not None:
             self._record(time.perf_counter())
             self._record = None
+        then, self._then = self._then, []
+        for fn in then:
+            fn()
 
 
 class _AllToAllAsync(torch.autograd.Function):
@@ -442,7 +455,7 @@ def all_to_all_start(x: torch.Tensor, group, output_split_sizes: Sequence[int] |
 
 def wait_for(out: torch.Tensor, pending: Pending) -> torch.Tensor:
     """``out`` once its all-to-all (``all_to_all_start``) has completed."""
-    if pending.work is None and pending._record is None:
+    if pending.done:
         return out
     return _Wait.apply(out, pending)
 
