@@ -64,9 +64,12 @@ def config(family: str):
     if family == "granitemoe":
         return tr.GraniteMoeConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, **small)
     if family == "switch_transformers":   # 2 slots per expert and sequence: some tokens are dropped
+        # one sparse layer of 2 in the encoder and the decoder (transformers adds their aux and z
+        # losses only where sparse layers alternate with dense ones)
         return tr.SwitchTransformersConfig(d_model=D, d_ff=24, num_experts=4, expert_capacity=2, dropout_rate=0.0,
                                            router_bias=True, num_heads=2, d_kv=8, num_layers=2,
-                                           num_decoder_layers=2, vocab_size=64)
+                                           num_decoder_layers=2, num_sparse_encoder_layers=1,
+                                           num_sparse_decoder_layers=1, vocab_size=64)
     if family == "gpt_oss":
         return tr.GptOssConfig(intermediate_size=24, num_local_experts=4, num_experts_per_tok=2, swiglu_limit=7.0,
                                head_dim=8, **small)
@@ -91,12 +94,15 @@ _CLASS = {"mixtral": "mixtral.modeling_mixtral.MixtralSparseMoeBlock",
           "llama4_text": "llama4.modeling_llama4.Llama4TextMoe"}
 
 
-def block(family: str, seed: int = 0):
-    """(config, HF block in eval mode, fp32, every tensor drawn from N(0, 0.3^2))."""
+def block(family: str, seed: int = 0, **overrides):
+    """(config, HF block in eval mode, fp32, every tensor drawn from N(0, 0.3^2));
+    ``overrides``: config fields set first (e.g. hidden_act)."""
     import importlib
     import_transformers()
     mod, cls = _CLASS[family].rsplit(".", 1)
     cfg = config(family)
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
     blk = getattr(importlib.import_module("transformers.models." + mod), cls)(cfg).float().eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -125,18 +131,19 @@ def run(module, x, g):
     return y.detach(), x.grad
 
 
-def compare(family: str, state=None) -> dict[str, float]:
+def compare(family: str, state=None, **overrides) -> dict[str, float]:
     """Max abs differences between the HF block and its moepar conversion: output, input
     gradient and every HF weight's gradient (gathered), and the way back's round trip.
 
     With a parallel ``state``, the HF block runs the whole batch of ``dp_size`` sequences
     and data-parallel replica d the sequence d (its TP ranks share it); the moepar
     gradients are summed over the replicas (``allreduce_gradients``, op="sum") before
-    they are compared with the HF block's. A collective then: call on every rank."""
+    they are compared with the HF block's. A collective then: call on every rank.
+    ``overrides``: config fields of the block (``block``)."""
     from moepar.hf import HFMoEBlock, convert_block, hf_state_dict
     from moepar.hf.families import family_of
     from moepar.parallel import allreduce_gradients
-    cfg, blk = block(family)
+    cfg, blk = block(family, **overrides)
     batch = B if state is None else state.dp_size
     x, g = inputs(family, batch=batch)
     y_ref, dx_ref = run(blk, x, g)
@@ -202,3 +209,117 @@ def sharded_worker(path: str, ids: torch.Tensor):
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     return n, logits, [r for r in reads if ".experts." in r[0]], state.ep_rank
+
+
+def model(family: str, seed: int = 0, **overrides):
+    """A tiny transformers model of ``family`` (causal LM; Switch: seq2seq), fp32, eval
+    mode, every parameter N(0, 0.2^2) (and the selection biases N(0, 0.1^2));
+    ``overrides``: config fields set first."""
+    tr = import_transformers()
+    cfg = config(family)
+    for name, value in overrides.items():
+        setattr(cfg, name, value)
+    cls = tr.AutoModelForSeq2SeqLM if family == "switch_transformers" else tr.AutoModelForCausalLM
+    torch.manual_seed(seed)
+    m = cls.from_config(cfg).float().eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, t in sorted(m.named_parameters()):
+            t.copy_(torch.randn(t.shape, generator=gen) * 0.2)
+        for name, b in m.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+    return m
+
+
+def model_inputs(family: str, batch: int = 2, seq: int = 6, seed: int = 3):
+    """Token ids (and Switch's decoder ids) with labels, for ``model``."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 64, (batch, seq), generator=gen)
+    if family == "switch_transformers":
+        return dict(input_ids=ids, decoder_input_ids=ids.flip(1), labels=ids)
+    return dict(input_ids=ids, labels=ids)
+
+
+def router_outputs(out) -> dict:
+    """The router-related fields of a model output, and its loss and logits (tensors, or
+    tuples of per-layer tensors)."""
+    keys = ("loss", "logits", "aux_loss", "router_logits", "encoder_router_logits", "decoder_router_logits",
+            "encoder_z_loss", "encoder_aux_loss", "decoder_z_loss", "decoder_aux_loss")
+    return {k: getattr(out, k, None) for k in keys if getattr(out, k, None) is not None}
+
+
+def dropin_worker(tp: int, ep: int, families: list[str]):
+    """Per family, on this rank of a (tp, ep) layout, for the swapped model on its
+    data-parallel replica's sequence and the one-process transformers model on it:
+    (aux loss, transformers' aux loss) (Switch: its loss, which holds them), the largest
+    logits difference after ``load_state_dict`` of transformers' full state dict and of the
+    rank's own ``state_dict()``, and
+    whether ``state_dict()`` has transformers' keys with this rank's shards' shapes."""
+    from moepar.hf import HFMoEBlock, replace_moe_blocks
+    from moepar.hf.names import _shard_shapes, local_hf_tensors
+    from moepar.parallel import init_parallel
+    state = init_parallel(tp, ep, verbose=False)
+    out = {}
+    for family in families:
+        ref = model(family, output_router_logits=True)
+        plain = {k: v.clone() for k, v in ref.state_dict().items()}
+        inputs = {k: v[state.dp_rank:state.dp_rank + 1] for k, v in model_inputs(family, batch=state.dp_size).items()}
+        with torch.no_grad():
+            want = ref(**inputs, output_router_logits=True)
+            replace_moe_blocks(ref, state)
+            got = ref(**inputs, output_router_logits=True)
+            sd = {k: v.clone() for k, v in ref.state_dict().items()}
+            blocks = {n: m for n, m in ref.named_modules() if isinstance(m, HFMoEBlock)}
+            shards_ok = all(sd[n + "." + k].shape == v.shape for n, m in blocks.items()
+                            for k, v in local_hf_tensors(m).items()) and len(blocks) == 2
+            dense_ok = all(torch.equal(sd[k], t) for k, t in plain.items()
+                           if not any(k.startswith(n + ".") for n in blocks))
+            shapes_ok = all(tuple(local_hf_tensors(m)[k].shape) == v for m in blocks.values()
+                            for k, v in _shard_shapes(m, *_block_dims(m)).items())
+            reloaded = []
+            for source in (plain, sd):   # the full tensors, and this rank's own shards
+                for p in ref.parameters():
+                    p.zero_()
+                ref.load_state_dict(source)
+                reloaded.append(float((ref(**inputs).logits - want.logits).abs().max()))
+        key = "loss" if family == "switch_transformers" else "aux_loss"
+        out[family] = (float(getattr(got, key)), float(getattr(want, key)), max(reloaded),
+                       shards_ok and dense_ok and shapes_ok)
+    return out
+
+
+def meta_init_state_dict(family: str, state=None) -> dict:
+    """The gathered HF state dict of ``family``'s model built on meta, swapped (under
+    ``state``'s layout), ``to_empty`` and initialised by transformers' ``init_weights()``
+    from seed 0 (a collective under a parallel state)."""
+    from moepar.hf import hf_model_state_dict, replace_moe_blocks
+    tr = import_transformers()
+    cls = tr.AutoModelForSeq2SeqLM if family == "switch_transformers" else tr.AutoModelForCausalLM
+    with torch.device("meta"):
+        m = cls.from_config(config(family))
+    replace_moe_blocks(m, state)
+    m.to_empty(device="cpu")
+    torch.manual_seed(0)
+    m.init_weights()
+    return hf_model_state_dict(m)
+
+
+def meta_init_worker(tp: int, ep: int, families: list[str]):
+    """Per family, the largest difference between this rank's gathered meta-init state dict
+    and the one-process one: the init is layout-free."""
+    from moepar.parallel import ParallelState, init_parallel
+    state = init_parallel(tp, ep, verbose=False)
+    out = {}
+    for family in families:
+        one = meta_init_state_dict(family, ParallelState.single())
+        mine = meta_init_state_dict(family, state)
+        assert sorted(one) == sorted(mine)
+        out[family] = max(float((one[k] - mine[k]).abs().max()) for k in one)
+    return out
+
+
+def _block_dims(block):
+    from moepar.hf.convert import _dims
+    D, E, Fh, S, opts = _dims(block.hf_config)
+    return E, D, Fh, S, block.moe.router.bias is not None

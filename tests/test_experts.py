@@ -245,8 +245,8 @@ def test_bad_inputs_raise_clear_errors():
         m(x, torch.tensor([2.0, 3.0]))
     with pytest.raises(ValueError, match="2-D"):
         m(x[0], [1, 0])
-    with pytest.raises(ValueError, match="activation='tanh'"):
-        GroupedExperts(2, 8, 16, "tanh")
+    with pytest.raises(ValueError, match="activation='softsign'"):
+        GroupedExperts(2, 8, 16, "softsign")
     with pytest.raises(ValueError, match="ffn_hidden=15 is not divisible by etp_size=2"):
         GroupedExperts(2, 8, 15, etp_size=2)
     with pytest.raises(ValueError, match="etp_rank=2 must be < etp_size=2"):

@@ -50,14 +50,14 @@ def test_bad_input_names_the_problem():
     cfg, blk = hf_cases.block("mixtral")
     with pytest.raises(ValueError, match="model_type='bert'"):
         convert_block(blk, tr.BertConfig())
-    jitter = hf_cases.config("mixtral")
-    jitter.router_jitter_noise = 0.1
-    with pytest.raises(ValueError, match="router_jitter_noise=0.1"):
-        convert_block(blk, jitter)
-    gelu = hf_cases.config("mixtral")
-    gelu.hidden_act = "gelu"
-    with pytest.raises(ValueError, match="hidden_act='gelu'"):
-        convert_block(blk, gelu)
+    prelu = hf_cases.config("mixtral")
+    prelu.hidden_act = "prelu"   # an activation with learnable parameters
+    with pytest.raises(ValueError, match="hidden_act='prelu'"):
+        convert_block(blk, prelu)
+    v3 = hf_cases.config("deepseek_v3")   # k=5 > topk_group 2 x 2 experts per group
+    v3.num_experts_per_tok = 5
+    with pytest.raises(ValueError, match="num_experts_per_tok=5 exceeds the 4 experts"):
+        convert_block(None, v3)
     v2 = hf_cases.config("deepseek_v2")
     v2.topk_method = "noaux_tc"
     with pytest.raises(ValueError, match="topk_method='noaux_tc'"):

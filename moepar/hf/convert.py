@@ -13,11 +13,10 @@ ValueError, and none waits in a collective for a peer that raised.
 """
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from moepar.moe.layer import MoE
@@ -25,6 +24,9 @@ from moepar.parallel.groups import ParallelState, get_parallel_state
 
 from . import families
 from .families import Family
+from .block import HFMoEBlock
+from .init import hook_init_weights
+from .names import moepar_names
 
 
 class DictSource:
@@ -45,39 +47,17 @@ class DictSource:
         return t.detach() if rows is None else t.detach()[rows]
 
 
-class HFMoEBlock(nn.Module):
-    """A moepar ``MoE`` in place of an HF sparse-MoE block, with the block's call and return
-    convention: a tensor, or (tensor, router scores [T, K]) for GPT-OSS, (tensor, router
-    logits [T, E]) for Llama 4. For Switch Transformers, whose ``expert_capacity`` counts per
-    sequence, each call routes with ``seq_len`` = the input's sequence length (dim -2)."""
-
-    def __init__(self, moe: MoE, family: Family, config):
-        super().__init__()
-        self.moe = moe
-        self.model_type = family.model_type
-        self.returns = family.returns
-        self.hf_config = config
-        self._last = None
-        if self.returns != "tensor":
-            self.moe.router.register_forward_hook(self._keep_routing)
-
-    def _keep_routing(self, module, args, output) -> None:
-        self._last = (args[0], output)
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        if self.model_type == "switch_transformers" and hidden_states.dim() >= 2:
-            cfg = self.moe.router.config
-            if cfg.seq_len != hidden_states.shape[-2]:
-                self.moe.router.config = dataclasses.replace(cfg, seq_len=hidden_states.shape[-2])
-        y = self.moe(hidden_states)
-        if self.returns == "tensor":
-            return y
-        x_TD, routing = self._last
-        self._last = None
-        if self.returns == "tuple_weights":
-            return y, routing.weights.to(y.dtype)
-        r = self.moe.router   # Llama 4's block returns its output flattened, [T, D]
-        return y.reshape(-1, y.shape[-1]), F.linear(x_TD.float(), r.weight, r.bias).to(y.dtype)
+def hf_dtypes(source, config) -> dict:
+    """The dtypes of a block's tensors ("experts": the expert weights'; each dense HF key's),
+    from the block or a checkpoint's view of it."""
+    fam = families.family_of(config)
+    if isinstance(source, nn.Module):
+        source = DictSource(dict(source.state_dict()))
+    _, E, _, _, opts = _dims(config)
+    out = {"experts": source.dtype(families.expert_keys(fam, E)[0])}
+    for key in families.dense_keys(fam, opts.get("router_bias", False)).values():
+        out[key] = source.dtype(key)
+    return out
 
 
 def _dims(config):
@@ -125,47 +105,63 @@ def convert_block(block: nn.Module | None, config, state: ParallelState | None =
         raise ValueError("convert_block needs a block or a checkpoint to read the weights from")
     check_source(source, config)
     opts.update(overrides)
-    dtype = source.dtype(families.expert_keys(fam, E)[0])
-    moe = MoE(D, E, state.ep_size, ffn_hidden=Fh, expert_tensor_parallel_size=state.etp_size, state=state,
-              init_seed=0, dtype=dtype, **opts)
-    load_weights(moe, fam, source, Fh)
+    first = families.expert_keys(fam, E)[0]
+    dtype = source.dtype(first)
+    # A block built on the meta device has no values to copy: the MoE is built there too,
+    # and transformers' init_weights (after to_empty) initialises it (moepar.hf.init).
+    meta = block is not None and checkpoint is None and source.tensors[first].is_meta
+    with torch.device("meta") if meta else contextlib.nullcontext():
+        moe = MoE(D, E, state.ep_size, ffn_hidden=Fh, expert_tensor_parallel_size=state.etp_size, state=state,
+                  init_seed=0, dtype=dtype, **opts)
+    if not meta:
+        load_weights(moe, fam, source, Fh)
     if block is not None:
         moe.train(block.training)   # e.g. no router jitter for a block in eval mode
     return moe
 
 
-@torch.no_grad()
-def load_weights(moe: MoE, fam: Family, source, Fh: int) -> None:
-    """Copy this rank's share of the source's tensors into ``moe``."""
+def local_parts(moe: MoE, fam: Family, source, Fh: int, local: bool = False):
+    """This rank's share of the source's tensors, as (name in ``moe``, local expert or None,
+    tensor) one expert at a time (the read's temporaries stay one expert large).
+    ``local``: the source holds this rank's shard already, in the HF layout (``names``):
+    its experts 0..L-1 (per-expert keys by global index), its ffn columns, its TP rows."""
     st, ex = moe.state, moe.experts
     L = moe.num_local_experts
     lo = st.ep_rank * L
     Fl = ex.ffn_local
     cols = slice(ex.etp_rank * Fl, (ex.etp_rank + 1) * Fl)
-    for e in range(L):   # one expert at a time: the read's temporaries stay one expert large
-        full = families.read_experts(fam, source.get, lo + e, lo + e + 1, Fh)
+    for e in range(L):
+        g = lo + e if not local or fam.layout == "per_expert" else e
+        full = families.read_experts(fam, source.get, g, g + 1, Fl if local else Fh)
         for name, t in full.items():
-            if name in ("w1", "w3"):
+            if not local and name in ("w1", "w3"):
                 t = t[:, :, cols]
-            elif name in ("w2", "b1", "b3"):
+            elif not local and name in ("w2", "b1", "b3"):
                 t = t[:, cols]
-            getattr(ex, name)[e:e + 1].copy_(t)
+            yield "experts." + name, e, t
         del full
     dense = {n: source.get(k) for n, k in families.dense_keys(fam, moe.router.bias is not None).items()}
-    moe.router.weight.copy_(dense["router_weight"].float())
-    if "router_bias" in dense:
-        moe.router.bias.copy_(dense["router_bias"].float())
-    if "expert_bias" in dense:
-        moe.router.expert_bias.copy_(dense["expert_bias"].float())
+    for name, key in (("router_weight", "router.weight"), ("router_bias", "router.bias"),
+                      ("expert_bias", "router.expert_bias")):
+        if name in dense:
+            yield key, None, dense[name].float()
     sh = moe.shared
     if sh is not None:
         n = sh.w1.weight.shape[0]   # this TP rank's rows of the shared ffn
-        rows = slice(st.tp_rank * n, (st.tp_rank + 1) * n)
-        sh.w1.weight.copy_(dense["shared_w1"][rows])
-        sh.w3.weight.copy_(dense["shared_w3"][rows])
-        sh.w2.weight.copy_(dense["shared_w2"][:, rows])
+        rows = slice(0, n) if local else slice(st.tp_rank * n, (st.tp_rank + 1) * n)
+        yield "shared.w1.weight", None, dense["shared_w1"][rows]
+        yield "shared.w3.weight", None, dense["shared_w3"][rows]
+        yield "shared.w2.weight", None, dense["shared_w2"][:, rows]
         if sh.gate is not None:
-            sh.gate.weight.copy_(dense["shared_gate"])
+            yield "shared.gate.weight", None, dense["shared_gate"]
+
+
+@torch.no_grad()
+def load_weights(moe: MoE, fam: Family, source, Fh: int) -> None:
+    """Copy this rank's share of the source's tensors into ``moe``."""
+    for name, e, t in local_parts(moe, fam, source, Fh):
+        p = moe.get_parameter(name) if name != "router.expert_bias" else moe.router.expert_bias
+        (p if e is None else p[e:e + 1]).copy_(t)
 
 
 def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
@@ -243,7 +239,12 @@ def replace_moe_blocks(model: nn.Module, state: ParallelState | None = None, *, 
         block = getattr(parent, attr)
         moe = convert_block(None if checkpoint is not None else block, config, state, checkpoint=checkpoint,
                             prefix=name + ".", **overrides)
-        setattr(parent, attr, HFMoEBlock(moe, fam, config).train(block.training))
+        new = HFMoEBlock(moe, fam, config, hf_dtypes(block if checkpoint is None else checkpoint.block(
+            name + ".", fam), config)).train(block.training)
+        if getattr(block, "_is_hf_initialized", False):   # transformers' init_weights leaves it alone
+            new._is_hf_initialized = True
+        setattr(parent, attr, new)
+    hook_init_weights(model)
     return len(names)
 
 
@@ -253,7 +254,9 @@ def hf_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     collective, call it on every rank). transformers loads it into the original class."""
     blocks = {n: m for n, m in model.named_modules() if isinstance(m, HFMoEBlock)}
     out = {}
-    for key, t in model.state_dict().items():
+    with moepar_names():   # the blocks' own tensors, replaced by their gathered HF ones below
+        sd = model.state_dict()
+    for key, t in sd.items():
         if not any(key.startswith(n + ".") for n in blocks):
             out[key] = t.detach().clone()   # clone: tied tensors become separate for safetensors
     for n, m in blocks.items():

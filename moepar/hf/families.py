@@ -78,12 +78,42 @@ def _need(config, name):
     return getattr(config, name)
 
 
-def _silu(config, name="hidden_act") -> str:
-    act = getattr(config, name, "silu")
-    if act != "silu":
-        raise ValueError(f"{config.model_type}: {name}={act!r} cannot be expressed: moepar's gated experts "
-                         f"use silu (activation='swiglu')")
-    return "swiglu"
+# transformers' activation names (ACT2FN) -> moepar's elementwise function of the same formula
+# (moepar.moe.activations.ELEMENTWISE). prelu and xielu are left out: they hold learnable
+# parameters, which moepar's experts do not have.
+HF_ACTIVATIONS = {
+    "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu", "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_python_tanh": "gelu_new", "gelu_new": "gelu_new", "gelu_accurate": "gelu_new", "gelu_fast": "gelu_fast",
+    "gelu_10": "gelu_clip10", "quick_gelu": "quick_gelu", "relu": "relu", "relu2": "relu2", "relu6": "relu6",
+    "leaky_relu": "leaky_relu", "hardswish": "hardswish", "sigmoid": "sigmoid", "tanh": "tanh", "mish": "mish",
+    "linear": "identity", "laplace": "laplace", "sqrtsoftplus": "sqrt_softplus",
+}
+
+
+def _activation(config, name: str, gated: bool, default: str) -> str:
+    """moepar's activation for the HF config's ``name`` (hidden_act, dense_act_fn):
+    "swiglu" / "glu_<fn>" for gated experts, "<fn>" (gelu, relu, gelu_tanh...) otherwise."""
+    act = getattr(config, name, None) or default
+    if act not in HF_ACTIVATIONS:
+        raise ValueError(f"{config.model_type}: {name}={act!r} cannot be expressed: moepar's experts take "
+                         f"{sorted(HF_ACTIVATIONS)} (prelu and xielu hold learnable parameters)")
+    fn = HF_ACTIVATIONS[act]
+    if not gated:
+        return fn
+    return "swiglu" if fn == "silu" else "glu_" + fn
+
+
+def _gated(config) -> str:
+    return _activation(config, "hidden_act", True, "silu")
+
+
+def _check_groups(mt: str, E: int, k: int, groups: int, topk_groups: int) -> None:
+    """transformers picks among experts masked to -inf (zero scores) when k exceeds the
+    experts of the kept groups: an order no one can reproduce; refused."""
+    if groups and topk_groups and k > topk_groups * (E // groups):
+        raise ValueError(f"{mt}: num_experts_per_tok={k} exceeds the {topk_groups * (E // groups)} experts of the "
+                         f"topk_group={topk_groups} kept groups ({E} experts in n_group={groups}); transformers "
+                         f"then picks among masked experts, an order that is not well defined")
 
 
 def moe_options(config) -> tuple[int, int, int, dict]:
@@ -101,19 +131,17 @@ def moe_options(config) -> tuple[int, int, int, dict]:
     if mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         E = _need(config, "num_local_experts" if mt == "mixtral" else "num_experts")
         Fh = _need(config, "intermediate_size" if mt in ("mixtral", "olmoe") else "moe_intermediate_size")
-        jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
-        if jitter > 0:
-            raise ValueError(f"{mt}: router_jitter_noise={jitter} cannot be expressed: transformers scales the "
-                             f"experts' input by the noise too, moepar's jitter only the router's; set it to 0")
+        # router_jitter_noise: Mixtral's block scales its whole input by the noise in training
+        # (HFMoEBlock does the same); Qwen2/3-MoE and OLMoE blocks ignore it, as here.
         norm = True if mt == "mixtral" else bool(_need(config, "norm_topk_prob"))
-        opts.update(activation=_silu(config), score_func="softmax", normalize_weights=norm)
+        opts.update(activation=_gated(config), score_func="softmax", normalize_weights=norm)
         if mt == "qwen2_moe":
             opts.update(num_shared_experts=1, shared_ffn_hidden=_need(config, "shared_expert_intermediate_size"),
                         shared_expert_gate=True)
     elif mt in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
         E = _need(config, "n_routed_experts")
         Fh = _need(config, "moe_intermediate_size")
-        opts.update(activation=_silu(config), scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)))
+        opts.update(activation=_gated(config), scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)))
         n_shared = getattr(config, "n_shared_experts", 0) or 0
         if n_shared:
             opts.update(num_shared_experts=1, shared_ffn_hidden=Fh * n_shared)
@@ -122,6 +150,7 @@ def moe_options(config) -> tuple[int, int, int, dict]:
             method = getattr(config, "topk_method", "greedy")
             opts.update(score_func="softmax", normalize_weights=False)
             if method == "group_limited_greedy":
+                _check_groups(mt, E, k, _need(config, "n_group"), _need(config, "topk_group"))
                 opts.update(num_groups=_need(config, "n_group"), topk_groups=_need(config, "topk_group"),
                             group_score="max")
             elif method != "greedy":
@@ -130,6 +159,7 @@ def moe_options(config) -> tuple[int, int, int, dict]:
         else:
             if groups is None or topk_groups is None:
                 raise ValueError(f"{mt}: n_group={groups} and topk_group={topk_groups} must both be set")
+            _check_groups(mt, E, k, groups, topk_groups)
             if E // groups < 2:
                 raise ValueError(f"{mt}: {E} experts in n_group={groups} groups leave fewer than 2 per group; "
                                  f"transformers' group score sums each group's top 2")
@@ -137,12 +167,10 @@ def moe_options(config) -> tuple[int, int, int, dict]:
                         expert_bias=True, num_groups=groups, topk_groups=topk_groups, group_score_topn=2)
     elif mt == "granitemoe":
         E, Fh = _need(config, "num_local_experts"), _need(config, "intermediate_size")
-        opts.update(activation=_silu(config), score_func="softmax_after_topk")
+        opts.update(activation=_gated(config), score_func="softmax_after_topk")
     elif mt == "switch_transformers":
         E, Fh = _need(config, "num_experts"), _need(config, "d_ff")
-        act = getattr(config, "dense_act_fn", "relu")
-        if act not in ("relu", "gelu"):
-            raise ValueError(f"switch_transformers: dense_act_fn={act!r} cannot be expressed (relu or gelu)")
+        act = _activation(config, "dense_act_fn", False, "relu")
         if getattr(config, "router_dtype", "float32") != "float32":
             raise ValueError(f"switch_transformers: router_dtype={config.router_dtype!r} cannot be expressed: "
                              f"moepar's router runs in float32")
@@ -159,7 +187,7 @@ def moe_options(config) -> tuple[int, int, int, dict]:
                     score_func="softmax_after_topk")
     else:  # llama4 / llama4_text
         E, Fh = _need(config, "num_local_experts"), _need(config, "intermediate_size")
-        opts.update(activation=_silu(config), score_func="sigmoid", normalize_weights=False,
+        opts.update(activation=_gated(config), score_func="sigmoid", normalize_weights=False,
                     score_before_experts=True, num_shared_experts=1, shared_ffn_hidden=Fh)
     return D, E, Fh, opts
 

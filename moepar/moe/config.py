@@ -40,7 +40,9 @@ class MoEConfig:
         parallel state). expert_tensor_parallel_size: each expert's FFN sliced over this
         many ranks (must match the parallel state).
         ffn_hidden: the experts' F (default 4 * hidden). activation: "gelu" | "swiglu" |
-        "relu" | "clamped_swiglu". bias: biases in the expert FFNs.
+        "relu" | "clamped_swiglu", or one of transformers' elementwise functions by name,
+        plain ("gelu_new", "quick_gelu", ...) or gated as "glu_<name>" (``ACTIVATIONS``,
+        ``moepar.moe.activations``). bias: biases in the expert FFNs.
         num_shared_experts, shared_ffn_hidden: a dense FFN every token passes through
         (width shared_ffn_hidden, default ffn_hidden * num_shared_experts), TP-sliced.
         sequence_parallel: x holds this TP rank's own slice of the tokens (otherwise x is
@@ -100,7 +102,7 @@ class MoEConfig:
         activation_limit, activation_alpha: "clamped_swiglu" (GPT-OSS):
         a = (clamp(h3, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(h1, max=limit),
         h1 = x w1 + b1 (gate), h3 = x w3 + b3 (up); finite numbers > 0. Routed experts only:
-        shared experts take "gelu" | "swiglu" | "relu".
+        shared experts take every other activation.
     """
 
     hidden: int
@@ -184,8 +186,8 @@ class MoEConfig:
                              f"got num_shared_experts={self.num_shared_experts}")
         if self.num_shared_experts and self.activation == "clamped_swiglu":
             raise ValueError(f"activation='clamped_swiglu' is for the routed experts only, but "
-                             f"num_shared_experts={self.num_shared_experts}; shared experts take "
-                             f"'gelu', 'swiglu' or 'relu'")
+                             f"num_shared_experts={self.num_shared_experts}; shared experts take any other "
+                             f"activation (e.g. 'swiglu')")
         for name in ("activation_limit", "activation_alpha"):
             checks.finite(name, getattr(self, name), above=0)
 

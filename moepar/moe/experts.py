@@ -38,14 +38,17 @@ import torch.nn as nn
 
 
 from .. import checks
-from .activations import ClampedSwiGLU
+from .activations import GATED_NAMES, PLAIN_NAMES, ClampedSwiGLU, Elementwise
 from .experts_fn import ExpertsFunction, check_counts
 from .experts_op import experts_fwd
 from .gemm import GEMM_PATHS, resolve_gemm_path
+from .layer_options import copy_local
 
 
-ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu")   # clamped_swiglu: GPT-OSS (activations.py)
-GATED = ("swiglu", "clamped_swiglu")   # activations with an up projection (w3/b3)
+# clamped_swiglu: GPT-OSS; the elementwise ones plain ("gelu_tanh", ...) and gated ("glu_gelu", ...):
+# activations.py
+ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu") + PLAIN_NAMES + GATED_NAMES
+GATED = ("swiglu", "clamped_swiglu") + GATED_NAMES   # activations with an up projection (w3/b3)
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: spreads (seed, g) over the 64-bit space
 
 
@@ -63,9 +66,10 @@ class GroupedExperts(nn.Module):
     Args:
         num_local_experts: experts held here (E).
         hidden, ffn_hidden: D and the full (unsliced) F.
-        activation: "gelu" (exact erf), "swiglu" (silu(x w1) * (x w3)), "relu" or
+        activation: "gelu" (exact erf), "swiglu" (silu(x w1) * (x w3)), "relu",
             "clamped_swiglu" (GPT-OSS, ``moepar.moe.activations.ClampedSwiGLU`` with
-            ``activation_limit``/``activation_alpha``; w1 is the gate, w3 the up projection).
+            ``activation_limit``/``activation_alpha``; w1 is the gate, w3 the up projection),
+            or an elementwise one of ``moepar.moe.activations``: "<fn>" or gated "glu_<fn>".
         bias: add b1 (b3) and b2.
         first_expert: global index of local expert 0 (EP rank * num_local_experts).
         etp_size, etp_rank: expert tensor parallelism; this rank holds columns
@@ -103,7 +107,7 @@ class GroupedExperts(nn.Module):
         self.activation, self.bias = activation, bool(bias)
         # What ExpertsFunction gets: the name, or the clamped SwiGLU's constants (validated there).
         self._act = (ClampedSwiGLU(activation_limit, activation_alpha) if activation == "clamped_swiglu"
-                     else activation)
+                     else Elementwise.of(activation) or activation)
         self.first_expert, self.etp_size, self.etp_rank = first_expert, etp_size, etp_rank
         self.init_seed, self.init_std = int(init_seed), init_std
         self.gemm_path = gemm_path
@@ -155,16 +159,21 @@ class GroupedExperts(nn.Module):
     def reset_parameters(self) -> None:
         """Re-draw every local expert from its global init (deterministic, layout-free)."""
         lo, hi = self.etp_rank * self.ffn_local, (self.etp_rank + 1) * self.ffn_local
+        # A parameter FSDP2 sharded (a DTensor) takes its shard of the whole local tensor.
+        whole = {n: torch.empty(p.shape, dtype=p.dtype, device="cpu") for n, p in self.named_parameters(recurse=False)
+                 if hasattr(p, "to_local")}
         for e in range(self.num_local_experts):
             full = self.global_expert_init(self.first_expert + e, self.hidden, self.ffn_hidden, self.activation,
                                            self.bias, self.init_seed, self.init_std)
             for name, t in full.items():
-                p = getattr(self, name)
+                p = whole.get(name, getattr(self, name))
                 if name in ("w1", "w3"):
                     t = t[:, lo:hi]
                 elif name in ("w2", "b1", "b3"):
                     t = t[lo:hi]
                 p[e].copy_(t)
+        for name, t in whole.items():
+            copy_local(getattr(self, name), t)
 
     def _counts(self, tokens_per_expert, x_ND: torch.Tensor, num_blocks: int | None = None) -> list[int]:
         """The counts as a host list (a host read if they live on an accelerator)."""
@@ -243,9 +252,9 @@ class GroupedExperts(nn.Module):
                 raise ValueError(f"segment_experts={seg} must lie in [0, num_local_experts={self.num_local_experts})")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
             return ExpertsFunction.apply(x_ND, *params, counts, None, "loop", self._act, seg)
-        # The custom op takes activation names only: clamped_swiglu (its constants) stays eager.
+        # The custom op takes the built-in activation names only: the others stay eager.
         if (torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor)
-                and not isinstance(self._act, ClampedSwiGLU)):
+                and isinstance(self._act, str)):
             # Traced: the counts' host read happens inside a custom op (no graph break).
             return experts_fwd(x_ND, *params, tokens_per_expert, self.gemm_path, self.activation)
         counts, counts_dev = self._both_counts(tokens_per_expert, host_counts, x_ND)

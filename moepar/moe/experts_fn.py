@@ -11,7 +11,6 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu
-from .activations import ClampedSwiGLU
 from .gemm import LoopGemm, make_gemm
 
 
@@ -72,8 +71,8 @@ class ExpertsFunction(torch.autograd.Function):
             if activation == "swiglu":
                 h3 = gemm.fwd(xg, part(w3), part(b3))
                 a = F.silu(h1).mul_(h3)
-            elif isinstance(activation, ClampedSwiGLU):   # GPT-OSS: w1 the gate, w3 the up projection
-                h3 = gemm.fwd(xg, part(w3), part(b3))
+            elif not isinstance(activation, str):   # ClampedSwiGLU (GPT-OSS), Elementwise: w1 the gate
+                h3 = gemm.fwd(xg, part(w3), part(b3)) if activation.gated else None
                 a = activation.forward(h1, h3)
             elif activation == "gelu":
                 a = F.gelu(h1)
@@ -133,7 +132,7 @@ class ExpertsFunction(torch.autograd.Function):
             part = (lambda t: t) if ctx.mapped else (lambda t: part_of(t, sl))   # noqa: E731
             gyg = gemm.pad(gy[r0:r1])
             if a is None:   # recompute the activation's output (gw2 needs it)
-                if isinstance(act, ClampedSwiGLU):
+                if not isinstance(act, str):
                     a = act.forward(h1, h3)
                 else:
                     a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
@@ -147,7 +146,7 @@ class ExpertsFunction(torch.autograd.Function):
             if act == "swiglu":
                 gh3 = F.silu(h1).mul_(ga)                 # d/dh3 of silu(h1) * h3
                 gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3), h1, grad_input=ga)
-            elif isinstance(act, ClampedSwiGLU):
+            elif not isinstance(act, str):   # its own backward: (d h1, d h3 or None)
                 gh1, gh3 = act.backward(ga, h1, h3)
             elif act == "gelu":
                 gh1 = torch.ops.aten.gelu_backward.grad_input(ga, h1, grad_input=ga)

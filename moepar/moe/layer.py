@@ -21,12 +21,13 @@ from torch import nn
 
 from ..parallel import comm
 from ..parallel.groups import ParallelState, get_parallel_state
-from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, _master
 from .config import MoEConfig, make_config
 from .dispatcher import Dispatcher
-from .experts import GroupedExperts
+from .activations import Elementwise
+from .experts import GATED, GroupedExperts
 from .guard import GroupLoad
-from .layer_options import SharedExpertGate, routes_as_rows, sum_routes
+from .layer_options import SharedExpertGate, copy_local, routes_as_rows, sum_routes
 from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, tapped
 from .router import TopKRouter
 from .traffic import aux_group_name
@@ -90,9 +91,26 @@ class SharedExperts(nn.Module):
         kw = dict(bias=False, state=state, sequence_parallel=sequence_parallel, init_std=init_std, dtype=dtype)
         self.w1 = ColumnParallelLinear(hidden, ffn_hidden, init_seed=init_seed, **kw)
         self.w3 = (ColumnParallelLinear(hidden, ffn_hidden, init_seed=init_seed + 1, **kw)
-                   if activation == "swiglu" else None)
+                   if activation in GATED else None)
+        self._act = Elementwise.of(activation)   # None for the built-in gelu / relu / swiglu
         self.w2 = RowParallelLinear(ffn_hidden, hidden, init_seed=init_seed + 2, **kw)
         self.gate = SharedExpertGate(hidden, init_seed + 3, sequence_parallel, dtype) if gate else None
+        self.init_seed, self.init_std = init_seed, init_std
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Re-draw the weights as at construction (same seed: the same values, this rank's
+        TP slice of each), e.g. after ``to_empty`` of a layer built on the meta device."""
+        for lin, seed, rows in ((self.w1, self.init_seed, True), (self.w3, self.init_seed + 1, True),
+                                (self.w2, self.init_seed + 2, False)):
+            if lin is None:
+                continue
+            full = _master((lin.out_features, lin.in_features), lin.in_features, self.init_std, seed)
+            n = lin.weight.shape[0] if rows else lin.weight.shape[1]
+            r = lin.tp_rank
+            copy_local(lin.weight, full[r * n:(r + 1) * n] if rows else full[:, r * n:(r + 1) * n])
+        if self.gate is not None:
+            self.gate.reset_parameters()
 
     def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None,
                 stats: comm.CommStats | None = None) -> torch.Tensor:
@@ -103,6 +121,8 @@ class SharedExperts(nn.Module):
         h = self.w1.local(x_in, stats)
         if self.activation == "swiglu":
             h = F.silu(h) * self.w3.local(x_in, stats)
+        elif self._act is not None:
+            h = self._act.forward(h, self.w3.local(x_in, stats) if self._act.gated else None)
         elif self.activation == "gelu":
             h = F.gelu(h)
         else:
@@ -134,8 +154,9 @@ class MoE(nn.Module):
         self._check_layout(cfg, state)
         self.state = state
         init_seed = cfg.init_seed
-        if init_seed is None:  # same on every rank: init_parallel seeded the default RNG alike
-            init_seed = int(torch.randint(0, 2 ** 30, ()))
+        if init_seed is None:  # same on every rank: init_parallel seeded the default RNG alike;
+            # drawn on the CPU also under torch.device("meta") (a CPU draw is no host read)
+            init_seed = int(torch.randint(0, 2 ** 30, (), device="cpu"))
         router_cfg = dataclasses.replace(cfg.router, init_seed=init_seed)
         self.router = TopKRouter(router_cfg)
         if cfg.sequence_parallel and self.tp > 1:
@@ -157,6 +178,15 @@ class MoE(nn.Module):
         # forward): the losses are then read through taps (moepar.moe.recompute).
         self._loss_cell: LossCell | None = None
         self._replay = Replay()
+
+    def reset_parameters(self) -> None:
+        """Initialise every parameter and buffer as at construction (the same values for the
+        same ``init_seed``), e.g. after ``to_empty`` of a layer built on the meta device:
+        the router (weight, bias, ``expert_bias`` to zeros), the experts, the shared experts."""
+        self.router.reset_parameters()
+        self.experts.reset_parameters()
+        if self.shared is not None:
+            self.shared.reset_parameters()
 
     @staticmethod
     def _check_layout(cfg: MoEConfig, state: ParallelState) -> None:
@@ -357,14 +387,13 @@ class MoE(nn.Module):
         (Megatron-Core's global-batch load balancing), so the loss does not depend on dp.
         """
         st, name = self.state, aux_group_name(self.aux_loss_scope, self.sequence_parallel)
-        if name == "world":
-            return dist.group.WORLD if st.world_size > 1 else None
+        if name == "world":   # this pipeline stage's ranks (the world when pp = 1)
+            return st.stage_group
         return {None: None, "tp": st.tp_group, "dp": st.dp_group}[name]
 
     def update_expert_bias(self, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing step (``expert_bias=True``): loads summed over the world."""
-        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
-        self.router.update_expert_bias(rate, group=group)
+        self.router.update_expert_bias(rate, group=self.state.stage_group)   # this stage's ranks
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -11,6 +11,8 @@ Legend (docs/moe.md): T tokens, D hidden, K routes per token, N = T*K routes.
   flows (d w_tk = <dy_t-through-expert, x_t>).
 * ``shared_expert_gate`` (Qwen2-MoE): ``out += sigmoid(x . w_gate) * shared(x)`` per token,
   ``w_gate`` [1, D]; ``SharedExpertGate`` holds it.
+* ``copy_local``: the initialisers' write of a parameter's value that also lands in a
+  parameter FSDP2 has sharded (a DTensor): each rank keeps its own shard of it.
 """
 from __future__ import annotations
 
@@ -39,6 +41,22 @@ def sum_routes(y_ND: torch.Tensor, num_tokens: int) -> torch.Tensor:
     return y_ND.view(num_tokens, -1, y_ND.shape[-1]).sum(1)
 
 
+@torch.no_grad()
+def copy_local(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.copy_(value)``, where ``value`` is the whole tensor ``p`` stands for on this rank;
+    for a DTensor (a parameter FSDP2 sharded) only this rank's shard of ``value`` is copied."""
+    to_local = getattr(p, "to_local", None)
+    if to_local is None:
+        p.copy_(value)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    local = to_local()
+    if local.numel():
+        part = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        local.copy_(part.reshape(local.shape))
+
+
 class SharedExpertGate(nn.Module):
     """``sigmoid(x @ weight.T)`` [T, 1], the per-token scale of the shared experts' output.
 
@@ -48,12 +66,20 @@ class SharedExpertGate(nn.Module):
 
     def __init__(self, hidden: int, init_seed: int, sequence_parallel: bool = False, dtype=None):
         super().__init__()
-        gen = torch.Generator().manual_seed(int(init_seed))
-        bound = 1.0 / math.sqrt(hidden)   # nn.Linear's default init
-        w = torch.empty(1, hidden).uniform_(-bound, bound, generator=gen)
+        self.init_seed = int(init_seed)
+        w = self._drawn(hidden, None)
         self.weight = nn.Parameter(w.to(dtype) if dtype else w)
         if sequence_parallel:
             self.weight.sequence_parallel = True
+
+    def _drawn(self, hidden: int, device) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.init_seed)
+        bound = 1.0 / math.sqrt(hidden)   # nn.Linear's default init
+        return torch.empty(1, hidden, device=device).uniform_(-bound, bound, generator=gen)
+
+    def reset_parameters(self) -> None:
+        """The construction's values again (e.g. after ``to_empty`` from the meta device)."""
+        copy_local(self.weight, self._drawn(self.weight.shape[-1], "cpu"))
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(F.linear(x_TD, self.weight))

@@ -25,6 +25,7 @@ from moepar import checks
 from moepar.parallel import comm
 from moepar_kernels import routing as _rk
 
+from .layer_options import copy_local   # a DTensor (FSDP2) keeps its own shard
 from .recompute import Record, rng_replayed, rng_state
 
 SCORE_FUNCS = ("softmax", "softmax_after_topk", "sigmoid")
@@ -318,6 +319,7 @@ class TopKRouter(nn.Module):
         return self.config.pad_to_capacity
 
     def reset_parameters(self) -> None:
+        """Weight (and bias) from ``init_seed``; ``expert_bias`` and the load count zeroed."""
         cfg = self.config
         gen = torch.Generator().manual_seed(cfg.init_seed) if cfg.init_seed is not None else None
         w = torch.empty(cfg.num_experts, cfg.hidden, dtype=torch.float32)
@@ -327,12 +329,15 @@ class TopKRouter(nn.Module):
         else:
             w.normal_(0.0, cfg.init_std, generator=gen)
         with torch.no_grad():
-            self.weight.copy_(w)
+            copy_local(self.weight, w)
             if self.bias is not None:
                 b = torch.zeros(cfg.num_experts)
                 if cfg.init_std is None:
                     b.uniform_(-bound, bound, generator=gen)
-                self.bias.copy_(b)
+                copy_local(self.bias, b)
+            if self.expert_bias is not None:
+                self.expert_bias.zero_()
+                self.load_accum.zero_()
 
     def extra_repr(self) -> str:
         c = self.config
