@@ -193,3 +193,25 @@ def test_report_hf_config_json_keeps_numeric_totals(tmp_path, capsys):
     assert "cannot be read" in capsys.readouterr().err
     assert cli.report_main(["--hf-config", path, "--model", "mixtral-8x7b", "--gpus", "8"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_one_family_table_for_the_layer_and_the_cost_model():
+    """moepar.hf converts the families of moepar.hf.catalog; the cost model prices each of them
+    or names why not, from the same table, and reads it without torch."""
+    import subprocess
+    import sys
+
+    from moepar.cost.architectures import MODEL_TYPES, spec_fields
+    from moepar.hf.catalog import FAMILIES
+    assert set(MODEL_TYPES) | {mt for mt, f in FAMILIES.items() if f.unpriced} == set(FAMILIES)
+    assert len(MODEL_TYPES) >= 9 and "granitemoe" in MODEL_TYPES
+    granite = dict(model_type="granitemoe", hidden_size=64, intermediate_size=32, num_local_experts=4,
+                   num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                   vocab_size=100)
+    f = spec_fields(granite)
+    assert (f["hidden"], f["ffn"], f["experts"], f["topk"], f["kv_heads"], f["dense_layers"]) == (64, 32, 4, 2, 2, 0)
+    with pytest.raises(ValueError, match="switch_transformers.*encoder-decoder"):
+        spec_fields(dict(model_type="switch_transformers"))
+    code = "import sys, moepar.hf; moepar.hf.FAMILIES; import moepar.hf.catalog; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -2,8 +2,9 @@
 
 ``spec_fields(config)`` reads the keys each ``model_type`` names its shapes with and
 returns keyword arguments of ``moepar.cost.MoESpec`` (the model only, no ``tokens`` or
-layout). Supported: mixtral, qwen2_moe, qwen3_moe, deepseek_v2, deepseek_v3, olmoe,
-glm4_moe, gpt_oss. What each reads:
+layout). The families and how each reads are one table, ``moepar.hf.catalog`` (shared with
+the layer conversion of ``moepar.hf``); the cost model prices those whose ``unpriced`` is
+None (``PRICED``) and names the reason for the others. What each reads:
 
 - dense layers: DeepSeek/GLM ``first_k_dense_replace`` and ``moe_layer_freq`` (layer i is
   MoE when i >= k and i % freq == 0); Qwen ``decoder_sparse_step`` and ``mlp_only_layers``
@@ -23,7 +24,9 @@ from __future__ import annotations
 
 import json
 
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "olmoe", "glm4_moe", "gpt_oss")
+from ..hf.catalog import FAMILIES, PRICED
+
+MODEL_TYPES = PRICED
 
 
 def _get(config: dict, *keys, default=None):
@@ -40,12 +43,12 @@ def _need(config: dict, *keys):
     return v
 
 
-def _moe_layer_flags(config: dict, mt: str, layers: int) -> list[bool]:
+def _moe_layer_flags(config: dict, rule: str | None, layers: int) -> list[bool]:
     """Which of the ``layers`` blocks have an MoE FFN (the rest a dense one)."""
-    if mt in ("deepseek_v2", "deepseek_v3", "glm4_moe"):
+    if rule == "first_k":
         k, freq = int(_get(config, "first_k_dense_replace", default=0)), int(_get(config, "moe_layer_freq", default=1))
         return [i >= k and i % freq == 0 for i in range(layers)]
-    if mt in ("qwen2_moe", "qwen3_moe"):
+    if rule == "sparse_step":
         step, dense = int(_get(config, "decoder_sparse_step", default=1)), set(_get(config, "mlp_only_layers", default=[]))
         return [i not in dense and (i + 1) % step == 0 for i in range(layers)]
     return [True] * layers
@@ -55,7 +58,9 @@ def spec_fields(config: dict) -> dict:
     """``MoESpec`` keyword arguments for a Hugging Face config (a parsed config.json)."""
     mt = config.get("model_type")
     if mt not in MODEL_TYPES:
-        raise ValueError(f"model_type={mt!r} is not supported; supported: {', '.join(MODEL_TYPES)}")
+        why = f" ({FAMILIES[mt].unpriced})" if mt in FAMILIES else ""
+        raise ValueError(f"model_type={mt!r} is not supported{why}; supported: {', '.join(MODEL_TYPES)}")
+    fam = FAMILIES[mt]
     layers = int(_need(config, "num_hidden_layers"))
     heads = int(_need(config, "num_attention_heads"))
     f: dict = dict(hidden=int(_need(config, "hidden_size")), layers=layers, heads=heads,
@@ -63,15 +68,12 @@ def spec_fields(config: dict) -> dict:
                    tie_embeddings=bool(config.get("tie_word_embeddings", False)))
     f["experts"] = int(_need(config, "num_local_experts", "num_experts", "n_routed_experts"))
     f["topk"] = int(_need(config, "num_experts_per_tok", "experts_per_token"))
-    if mt in ("mixtral", "olmoe", "gpt_oss"):
-        f["ffn"] = int(_need(config, "intermediate_size"))
-    else:
-        f["ffn"] = int(_need(config, "moe_intermediate_size"))
-    moe = _moe_layer_flags(config, mt, layers)
+    f["ffn"] = int(_need(config, fam.expert_ffn_key))
+    moe = _moe_layer_flags(config, fam.dense_rule, layers)
     f["dense_layers"] = moe.count(False)
     if f["dense_layers"]:
         f["dense_ffn"] = int(_need(config, "intermediate_size"))
-    if mt in ("deepseek_v2", "deepseek_v3"):   # MLA: no separate k/v heads
+    if fam.attention == "mla":   # no separate k/v heads
         f.update(kv_lora_rank=int(_need(config, "kv_lora_rank")), q_lora_rank=_get(config, "q_lora_rank"),
                  qk_nope_dim=int(_need(config, "qk_nope_head_dim")), qk_rope_dim=int(_need(config, "qk_rope_head_dim")),
                  v_head_dim=int(_need(config, "v_head_dim")))
@@ -83,25 +85,26 @@ def spec_fields(config: dict) -> dict:
         hd = _get(config, "head_dim")
         if hd is not None and (int(hd) != f["hidden"] // heads or f["hidden"] % heads):
             f["head_dim"] = int(hd)
-    bias = bool(config.get("attention_bias", False))
-    if mt == "qwen2_moe":
-        f["attn_bias"] = "qkv"            # Qwen2 always biases q, k and v (not the output)
-    elif mt == "glm4_moe" and bias:
+    flag = bool(config.get("attention_bias", False))
+    if fam.attn_bias == "qkv" or (fam.attn_bias == "qkv?" and flag):
         f["attn_bias"] = "qkv"
-    elif mt in ("qwen3_moe", "gpt_oss", "olmoe") and bias:
+    elif fam.attn_bias == "all?" and flag:
         f["attn_bias"] = "all"
-    if mt == "qwen3_moe" or (mt == "glm4_moe" and config.get("use_qk_norm")):
+    if fam.qk_norm == "head" or (fam.qk_norm == "head?" and config.get("use_qk_norm")):
         f["qk_norm"] = "head"
-    elif mt == "olmoe":
+    elif fam.qk_norm == "full":
         f["qk_norm"] = "full"
-    if mt == "qwen2_moe" and _get(config, "shared_expert_intermediate_size", default=0):
+    if fam.shared_gate and _get(config, "shared_expert_intermediate_size", default=0):   # Qwen2: one, gated
         f.update(shared_experts=1, shared_ffn=int(config["shared_expert_intermediate_size"]), shared_gate=True)
-    if mt in ("deepseek_v2", "deepseek_v3", "glm4_moe") and _get(config, "n_shared_experts", default=0):
+    elif fam.shared and _get(config, "n_shared_experts", default=0):   # DeepSeek/GLM: n of the expert FFN
         f["shared_experts"] = int(config["n_shared_experts"])
-    if mt == "gpt_oss":
-        f.update(attn_sinks=True, router_bias=True, expert_bias=True)
-    if mt in ("deepseek_v3", "glm4_moe"):
-        f["router_bias"] = True           # e_score_correction_bias [E], stored with the weights
+    if fam.attn_sinks:
+        f["attn_sinks"] = True
+    if fam.router_bias or fam.expert_bias_key:   # a router bias, or DeepSeek-V3's score-correction bias
+        f["router_bias"] = True
+    if fam.expert_biases:
+        f["expert_bias"] = True
+    if fam.mtp:
         f["mtp_layers"] = int(_get(config, "num_nextn_predict_layers", default=0))
     return f
 

@@ -13,14 +13,18 @@ is initialised by transformers' ``init_weights()`` as its own blocks are (``init
 
 Families (by ``config.model_type``): see ``FAMILIES`` and docs/hf.md.
 """
-from .checkpoint import SafetensorsCheckpoint, load_pretrained, params_on_meta, save_hf_checkpoint
-from .convert import (HFMoEBlock, check_source, convert_block, hf_model_state_dict, hf_state_dict,
-                      moe_block_names, replace_moe_blocks)
-from .families import FAMILIES, HF_ACTIVATIONS, family_of, moe_options
-from .init import init_block, init_spec
-from .names import moepar_names
+from .._lazy import attach as _attach
 
-__all__ = ["FAMILIES", "HF_ACTIVATIONS", "HFMoEBlock", "SafetensorsCheckpoint", "check_source", "convert_block",
-           "family_of",
-           "hf_model_state_dict", "hf_state_dict", "init_block", "init_spec", "load_pretrained", "moe_block_names",
-           "moe_options", "moepar_names", "params_on_meta", "replace_moe_blocks", "save_hf_checkpoint"]
+# public name -> the module defining it; imported on first use, so that the torch-free
+# family table (``moepar.hf.catalog``, read by the cost model) loads without torch.
+_NAMES = {
+    **{n: ".checkpoint" for n in ("SafetensorsCheckpoint", "load_pretrained", "params_on_meta", "save_hf_checkpoint")},
+    **{n: ".convert" for n in ("HFMoEBlock", "check_source", "convert_block", "hf_model_state_dict", "hf_state_dict",
+                                "moe_block_names", "replace_moe_blocks")},
+    "FAMILIES": ".catalog", "Family": ".catalog",
+    **{n: ".families" for n in ("HF_ACTIVATIONS", "family_of", "moe_options")},
+    **{n: ".init" for n in ("init_block", "init_spec")},
+    "moepar_names": ".names",
+}
+__all__ = sorted(_NAMES)
+__getattr__, __dir__ = _attach(__name__, _NAMES)

@@ -19,48 +19,14 @@ Expert layouts of transformers (5.x) blocks, per expert e:
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable, Optional
 
 import torch
 
+from .catalog import FAMILIES, Family  # noqa: F401  (the one family table, torch-free)
+
 # get(key, rows) -> tensor: ``rows`` (a slice of dim 0) or None for the whole tensor.
 Getter = Callable[[str, Optional[slice]], torch.Tensor]
-
-
-@dataclasses.dataclass(frozen=True)
-class Family:
-    """One HF MoE family: block class, key layout and how its config maps to MoE options."""
-
-    model_type: str
-    block_class: str                 # transformers' sparse-MoE block class name
-    router: str                      # router module prefix inside the block
-    layout: str                      # expert layout (module docstring)
-    shared: Optional[str] = None     # shared-expert module prefix (gate/up/down_proj)
-    shared_gate: Optional[str] = None
-    router_bias: bool = False
-    expert_bias_key: Optional[str] = None   # e.g. "gate.e_score_correction_bias"
-    returns: str = "tensor"          # "tensor" | "tuple_weights" (GPT-OSS) | "tuple_logits" (Llama 4)
-
-
-FAMILIES: dict[str, Family] = {f.model_type: f for f in (
-    Family("mixtral", "MixtralSparseMoeBlock", "gate", "fused_chunk"),
-    Family("qwen2_moe", "Qwen2MoeSparseMoeBlock", "gate", "fused_chunk", shared="shared_expert",
-           shared_gate="shared_expert_gate"),
-    Family("qwen3_moe", "Qwen3MoeSparseMoeBlock", "gate", "fused_chunk"),
-    Family("deepseek_v3", "DeepseekV3MoE", "gate", "fused_chunk", shared="shared_experts",
-           expert_bias_key="gate.e_score_correction_bias"),
-    Family("glm4_moe", "Glm4MoeMoE", "gate", "fused_chunk", shared="shared_experts",
-           expert_bias_key="gate.e_score_correction_bias"),
-    Family("deepseek_v2", "DeepseekV2Moe", "gate", "fused_chunk", shared="shared_experts"),
-    Family("olmoe", "OlmoeSparseMoeBlock", "gate", "fused_chunk"),
-    Family("granitemoe", "GraniteMoeMoE", "router", "fused_chunk"),
-    Family("switch_transformers", "SwitchTransformersSparseMLP", "router.classifier", "per_expert"),
-    Family("gpt_oss", "GptOssMLP", "router", "interleaved", router_bias=True, returns="tuple_weights"),
-    Family("llama4_text", "Llama4TextMoe", "router", "chunk_in_out", shared="shared_expert",
-           returns="tuple_logits"),
-)}
-FAMILIES["llama4"] = dataclasses.replace(FAMILIES["llama4_text"], model_type="llama4")
 
 
 def family_of(config) -> Family:
