@@ -130,43 +130,81 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, state: moepar.ParallelState | None = None):
+    """The whole model, or with ``stage=(index, num_stages)`` one pipeline stage of it: the
+    embedding on stage 0, ``layers / num_stages`` consecutive blocks (in a ModuleDict keyed
+    by their index in the whole model, so parameter names are the whole model's), the
+    final norm and head on the last stage. Every part is initialised as in the whole model."""
+
+    def __init__(self, cfg: GPTConfig, state: moepar.ParallelState | None = None,
+                 stage: tuple[int, int] | None = None):
         super().__init__()
         state = state if state is not None else moepar.get_parallel_state()
         self.cfg, self.state = cfg, state
         if cfg.sequence_parallel and cfg.context % state.tp_size:
             raise ValueError(f"context={cfg.context} is not divisible by tensor_parallel_size="
                              f"{state.tp_size} (sequence parallelism splits the sequence)")
-        self.embed = moepar.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, init_seed=cfg.init_seed,
-                                                   sequence_parallel=cfg.sequence_parallel,
-                                                   sequence_dim=1, state=state)
-        gen = torch.Generator().manual_seed(cfg.init_seed + 1)
-        pos = torch.randn(cfg.context, cfg.hidden, generator=gen) * 0.02
-        if cfg.sequence_parallel:
-            n = cfg.context // state.tp_size
-            pos = pos[state.tp_rank * n:(state.tp_rank + 1) * n]
-        self.pos = nn.Parameter(pos.clone())
-        self.pos.tensor_model_parallel = cfg.sequence_parallel  # sliced by sequence under SP
-        self.pos.partition_dim = 0
-        self.blocks = nn.ModuleList(Block(cfg, state, i) for i in range(cfg.layers))
-        self.ln_f = LayerNorm(cfg.hidden, cfg.sequence_parallel)
-        self.head = moepar.ColumnParallelLinear(cfg.hidden, cfg.vocab_size, bias=False, init_std=0.02,
-                                                init_seed=cfg.init_seed + 2, state=state,
-                                                sequence_parallel=cfg.sequence_parallel, sequence_dim=1)
+        index, num_stages = stage if stage is not None else (0, 1)
+        self.is_first, self.is_last = index == 0, index == num_stages - 1
+        if self.is_first:
+            self.embed = moepar.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, init_seed=cfg.init_seed,
+                                                       sequence_parallel=cfg.sequence_parallel,
+                                                       sequence_dim=1, state=state)
+            gen = torch.Generator().manual_seed(cfg.init_seed + 1)
+            pos = torch.randn(cfg.context, cfg.hidden, generator=gen) * 0.02
+            if cfg.sequence_parallel:
+                n = cfg.context // state.tp_size
+                pos = pos[state.tp_rank * n:(state.tp_rank + 1) * n]
+            self.pos = nn.Parameter(pos.clone())
+            self.pos.tensor_model_parallel = cfg.sequence_parallel  # sliced by sequence under SP
+            self.pos.partition_dim = 0
+        if stage is None:
+            self.blocks = nn.ModuleList(Block(cfg, state, i) for i in range(cfg.layers))
+        else:
+            from moepar.parallel.pipeline import layer_range
+            self.blocks = nn.ModuleDict({str(i): Block(cfg, state, i)
+                                         for i in layer_range(index, num_stages, cfg.layers)})
+        if self.is_last:
+            self.ln_f = LayerNorm(cfg.hidden, cfg.sequence_parallel)
+            self.head = moepar.ColumnParallelLinear(cfg.hidden, cfg.vocab_size, bias=False, init_std=0.02,
+                                                    init_seed=cfg.init_seed + 2, state=state,
+                                                    sequence_parallel=cfg.sequence_parallel, sequence_dim=1)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        """idx [B, S] -> vocab-parallel logits [B, S, V/tp], or the mean loss with targets."""
-        B, S = idx.shape
-        if S > self.cfg.context:
-            raise ValueError(f"sequence length {S} exceeds context={self.cfg.context}")
-        x = self.embed(idx)                       # [B, S(/tp under SP), D]
-        x = x + self.pos[: x.shape[1]]
-        for block in self.blocks:
+        """idx [B, S] -> vocab-parallel logits [B, S, V/tp], or the mean loss with targets.
+        A pipeline stage takes idx on stage 0, else the previous stage's [B, S(/tp), D], and
+        returns [B, S(/tp), D] except on the last stage."""
+        x = idx
+        if self.is_first:
+            B, S = idx.shape
+            if S > self.cfg.context:
+                raise ValueError(f"sequence length {S} exceeds context={self.cfg.context}")
+            x = self.embed(idx)                   # [B, S(/tp under SP), D]
+            x = x + self.pos[: x.shape[1]]
+        blocks = self.blocks.values() if isinstance(self.blocks, nn.ModuleDict) else self.blocks
+        for block in blocks:
             x = block(x)
+        if not self.is_last:
+            return x
         logits = self.head(self.ln_f(x))          # [B, S, V/tp] (SP: sequence gathered)
         if targets is None:
             return logits
+        return self.loss(logits, targets)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy of vocab-parallel ``logits`` (the pipeline's loss function)."""
         return moepar.vocab_parallel_cross_entropy(logits, targets, state=self.state)
+
+    def stage_shapes(self, batch: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tensors shaped like this stage's input and output for ``batch`` sequences of
+        ``context`` tokens (torch's static stage shapes; ``dtype``: the activations')."""
+        cfg, tp = self.cfg, self.state.tp_size
+        seq = cfg.context // tp if cfg.sequence_parallel else cfg.context
+        # requires_grad: a gradient of the same shape crosses the boundary backwards
+        hidden = torch.empty(batch, seq, cfg.hidden, dtype=dtype, requires_grad=True)
+        x = torch.empty(batch, cfg.context, dtype=torch.long) if self.is_first else hidden
+        y = (torch.empty(batch, cfg.context, cfg.vocab_size // tp, dtype=dtype, requires_grad=True)
+             if self.is_last else hidden)
+        return x, y
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, new_tokens: int, temperature: float = 0.8,

@@ -1,7 +1,9 @@
-"""Train the example GPT-MoE with tensor, expert and data parallelism.
+"""Train the example GPT-MoE with tensor, expert, data and pipeline parallelism.
 
     python examples/train_gpt_moe.py                         # one process
     torchrun --nproc_per_node=4 examples/train_gpt_moe.py --tp 2 --ep 2
+    torchrun --nproc_per_node=4 examples/train_gpt_moe.py --pp 2 --ep 2 --microbatches 4 \
+        --schedule 1f1b          # gpipe | 1f1b | interleaved | zb | zbv | dualpipev (docs/pipeline.md)
     torchrun --nproc_per_node=4 --max-restarts=3 examples/train_gpt_moe.py --tp 2 --ep 2 \
         --checkpoint-every 50 --resume auto --timeout-seconds 300   # survives a lost rank
 
@@ -41,6 +43,8 @@ from moepar.parallel.faults import DEFAULT_TIMEOUT, init_distributed  # noqa: E4
 
 from examples.data import Batches, load_corpus  # noqa: E402
 from examples.gpt_moe import GPT, GPTConfig  # noqa: E402
+from examples.pipeline_steps import (build_pipeline, local_batch, micro_rows,  # noqa: E402,F401
+                                     pipeline_options, train_step)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -50,6 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--ep", type=int, default=1, help="expert-parallel size")
     g.add_argument("--etp", type=int, default=1, help="expert tensor-parallel size")
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages of consecutive ranks)")
+    g.add_argument("--schedule", default="1f1b",
+                   help="pipeline schedule with --pp > 1: gpipe | 1f1b | interleaved | zb | zbv | dualpipev")
+    g.add_argument("--virtual-pipeline-size", type=int, default=None,
+                   help="stages per rank for interleaved and zb (default 2); zbv and dualpipev hold 2")
+    g.add_argument("--microbatches", type=int, default=None,
+                   help="micro-batches per step (default 1, with --pp: 2 x pp); the same M at pp = 1 "
+                        "accumulates the same micro-batches")
     g.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and optimizer state with moepar.fully_shard (FSDP2): "
                         "dense over dp, experts over edp (needs torchrun)")
@@ -134,8 +146,11 @@ def _mean_over_dp(value: torch.Tensor, state) -> float:
 
 
 def build(args, device):
+    micro, v = pipeline_options(args)
+    args.microbatches = micro
     state = moepar.init_parallel(args.tp, args.ep, args.etp, seed=args.seed, verbose=not args.quiet,
-                                 timeout=args.timeout_seconds)
+                                 timeout=args.timeout_seconds, pipeline_parallel_size=args.pp,
+                                 virtual_pipeline_size=v)
     cfg = GPTConfig(context=args.context, layers=args.layers, hidden=args.hidden, heads=args.heads,
                     experts=args.experts, topk=args.topk, moe_every=args.moe_every,
                     expert_ffn=args.expert_ffn, dense_ffn=args.dense_ffn, capacity_factor=args.capacity_factor,
@@ -143,9 +158,13 @@ def build(args, device):
                     sequence_parallel=args.sequence_parallel,
                     checkpoint_activations=args.checkpoint_activations, init_seed=args.seed,
                     cpu_source_major=args.cpu_source_major, dispatch_dtype=args.dispatch_dtype)
-    model = GPT(cfg, state).to(device)
-    if args.fsdp:
-        model = moepar.fully_shard(model, state)  # the optimizer below sees the sharded params
+    if args.pp == 1:
+        model = GPT(cfg, state).to(device)
+        if args.fsdp:
+            model = moepar.fully_shard(model, state)  # the optimizer below sees the sharded params
+    else:
+        model, pipe = build_pipeline(args, cfg, state, device, micro)
+        model.pipeline = pipe   # torch's schedule over this rank's stages: train() steps with it
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
@@ -154,13 +173,15 @@ def build(args, device):
 
 
 @torch.no_grad()
-def evaluate(model, batches: Batches, args, state, device) -> float:
+def evaluate(model, batches: Batches, args, state, device, pipe=None, micro: int = 1) -> float:
     model.eval()
     losses = []
     for i in range(args.eval_batches):
-        x, y = batches.get(10_000_000 + i, state.dp_rank, state.dp_size)
+        x, y = local_batch(batches, 10_000_000 + i, state, micro if pipe is not None else 1)
         with _autocast(device):
-            losses.append(_mean_over_dp(model(x.to(device), y.to(device)), state))
+            loss = pipe.evaluate(x.to(device), y.to(device))[0] if pipe is not None else model(
+                x.to(device), y.to(device))
+        losses.append(_mean_over_dp(loss, state))
     model.train()
     return sum(losses) / len(losses)
 
@@ -175,10 +196,12 @@ def train(args) -> dict:
     device = setup_distributed(args.timeout_seconds)
     corpus = load_corpus(args.data, args.context)
     state, cfg, model, opt = build(args, device)
+    pipe, micro = getattr(model, "pipeline", None), args.microbatches
     rank0 = state.rank == 0
     log = (lambda *a: print(*a, flush=True)) if rank0 and not args.quiet else (lambda *a: None)
     log(f"data: {corpus.description}")
-    log(f"layout: world {state.world_size} = tp {state.tp_size} x dp {state.dp_size}; experts: ep {state.ep_size}"
+    log(f"layout: world {state.world_size} = " + (f"pp {state.pp_size} x " if state.pp_size > 1 else "")
+        + f"tp {state.tp_size} x dp {state.dp_size}; experts: ep {state.ep_size}"
         f" x etp {state.etp_size} x edp {state.edp_size}; params on rank 0: "
         f"{sum(p.numel() for p in model.parameters()):,}")
     train_b = Batches(corpus.train, args.context, args.batch_size, args.seed)
@@ -203,14 +226,12 @@ def train(args) -> dict:
         lr = lr_at(step, args)
         for group in opt.param_groups:
             group["lr"] = lr
-        x, y = train_b.get(step, state.dp_rank, state.dp_size)
+        x, y = local_batch(train_b, step, state, micro)
+        rows_in.clear()
         t0 = time.perf_counter()
         peer_wait = comm.peer_wait_timing() if args.time_peer_wait else contextlib.nullcontext()
         with comm.track() as events, peer_wait:
-            with _autocast(device):
-                ce = model(x.to(device), y.to(device))
-                aux = moepar.aux_loss(model)
-            (ce + aux).backward()
+            ce, aux = train_step(model, pipe, x, y, micro, device)
             if not args.fsdp:  # under FSDP the backward pass reduced the gradients
                 moepar.allreduce_gradients(model, state)
             moepar.clip_grad_norm_(model, args.clip, state)
@@ -235,7 +256,7 @@ def train(args) -> dict:
         metrics["peer_wait_seconds"] = metrics.get("peer_wait_seconds", 0.0) + waited
         metrics["compute_seconds"] += dt - events.seconds() - waited
         if (step + 1) % args.eval_interval == 0 or step + 1 == args.steps:
-            metrics["val"].append((step + 1, evaluate(model, val_b, args, state, device)))
+            metrics["val"].append((step + 1, evaluate(model, val_b, args, state, device, pipe, micro)))
         if (step + 1) % args.log_interval == 0 or step == start:
             by_op = {op: sum(e.seconds for e in events.events if e.op == op) * 1e3
                      for op in ("all_to_all", "all_reduce", "all_gather", "reduce_scatter")}
@@ -265,19 +286,21 @@ def _resume_path(args, ckpt_dir: str) -> str | None:
 
 
 def _watch_expert_rows(model) -> dict:
-    """{MoE layer: rows its experts were given in its last forward}, kept by forward hooks
-    (a recomputation under --checkpoint-activations writes the same number again)."""
+    """{MoE layer: rows its experts were given in its training forwards since the dict was
+    last cleared (every micro-batch's)}, kept by forward hooks; a recomputation under
+    --checkpoint-activations (a forward run inside the backward) adds nothing."""
     rows: dict = {}
     for m in model.modules():
         if isinstance(m, moepar.MoE):
             def hook(module, inputs, output, key=m):
-                rows[key] = int(inputs[0].shape[0])
+                if module.training and torch._C._current_graph_task_id() == -1:
+                    rows[key] = rows.get(key, 0) + int(inputs[0].shape[0])
             m.experts.register_forward_hook(hook)
     return rows
 
 
 def _finish(args, cfg, state, model, metrics, events, device, log) -> None:
-    if args.sample_tokens:  # every rank generates: the layers' collectives need them all
+    if args.sample_tokens and state.pp_size == 1:  # every rank generates: the layers' collectives need them all
         prompt = torch.tensor([list(b"def ")], device=device)
         with _autocast(device):
             text = model.generate(prompt, args.sample_tokens, seed=args.seed)
@@ -349,12 +372,13 @@ def run_spec(args, cfg, state, model, imbalance: float = 1.0):
     (2-matrix) experts, three column-parallel attention inputs, the router's aux (and z)
     statistics, the gradient-norm and loss reductions of the training step."""
     from moepar.cost import MoESpec
-    moes = [m for m in model.modules() if isinstance(m, moepar.MoE)]
+    # The whole model's MoE blocks (with pipeline stages this rank holds only its stages').
+    moe_layers = sum(1 for i in range(cfg.layers) if i % cfg.moe_every == cfg.moe_every - 1)
     return MoESpec(hidden=cfg.hidden, ffn=cfg.expert_ffn, experts=cfg.experts, topk=cfg.topk,
-                   tokens=args.batch_size // state.dp_size * cfg.context,
+                   tokens=args.batch_size // state.dp_size // (args.microbatches or 1) * cfg.context,  # a micro-batch's
                    dtype="bf16" if torch.cuda.is_available() else "fp32", dispatch_dtype=cfg.dispatch_dtype,
                    capacity_factor=cfg.capacity_factor, gated=False, layers=cfg.layers,
-                   dense_layers=cfg.layers - len(moes), dense_ffn=cfg.dense_ffn, heads=cfg.heads,
+                   dense_layers=cfg.layers - moe_layers, dense_ffn=cfg.dense_ffn, heads=cfg.heads,
                    vocab=cfg.vocab_size, seq_len=cfg.context, imbalance=max(1.0, imbalance),
                    norm_bias=True, attn_bias="all", mlp_bias=True, pos_embeddings=cfg.context, qkv_linears=3,
                    aux_loss=cfg.aux_loss_coeff > 0, z_loss=cfg.z_loss_coeff > 0, aux_scope=cfg.aux_loss_scope,
@@ -373,7 +397,23 @@ def cost_report(args, cfg, state, model, events, steps, hardware, received_rows=
     spec = run_spec(args, cfg, state, model, imbalance)
     layout = CostLayout(gpus=state.world_size, gpus_per_node=hardware.gpus_per_node, tp=state.tp_size,
                         ep=state.ep_size, etp=state.etp_size, sp=cfg.sequence_parallel)
-    rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows)
+    import dataclasses
+    try:   # a cost model with pipeline stages prices the stages, the micro-batches and the schedule
+        if (args.microbatches or 1) > 1:
+            spec = dataclasses.replace(spec, micro_batches=args.microbatches)
+        if state.pp_size > 1:
+            layout = dataclasses.replace(layout, pp=state.pp_size, vp=state.virtual_pipeline_size,
+                                         schedule=args.schedule)
+    except (TypeError, ValueError):   # one without them (or without this schedule)
+        pass
+    if state.pp_size > 1:
+        try:   # the run report's pipeline rows (this rank's stage)
+            rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows,
+                               pipeline_stage=state.pp_rank)
+        except TypeError:   # a cost model without pipeline stages: the per-stage collectives only
+            rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows)
+    else:
+        rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows)
     return "\n".join(["", "== communication cost report for this run " + "=" * 30,
                       report_for(spec, layout, hardware), "",
                       render_run(rows, hardware, layout, max(1, steps))])

@@ -3,7 +3,7 @@
 Public names: ``MoE`` and its options ``MoEConfig`` / ``RouterConfig``, ``aux_loss``,
 ``load_report`` (the layers' load imbalance), ``TopKRouter``, ``Routing``,
 ``GroupedExperts``; ``init_parallel`` / ``destroy_parallel`` and the parallel building
-blocks; ``fully_shard`` (FSDP2 with expert parallelism); ``release_cpu_buffers`` and
+blocks; ``Pipeline`` (pipeline stages on torch's schedules, docs/pipeline.md); ``fully_shard`` (FSDP2 with expert parallelism); ``release_cpu_buffers`` and
 ``cpu_buffer_stats`` for the CPU buffer pool (docs/moe.md). ``moepar.checkpoint``,
 ``moepar.cost`` and ``moepar.hf`` are imported on demand.
 
@@ -28,13 +28,13 @@ _NAMES = {
     **{name: ".parallel" for name in (
         "ColumnParallelLinear", "ParallelState", "RowParallelLinear", "VocabParallelEmbedding",
         "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",
-        "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy")},
+        "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "Pipeline")},
     "init_distributed": ".parallel.faults", "CollectiveError": ".parallel.faults",
 }
 __all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "load_report", "LoadReport", "TopKRouter",
            "Routing", "GroupedExperts", "ColumnParallelLinear", "ParallelState", "RowParallelLinear",
            "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",
-           "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "release_cpu_buffers",
+           "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "Pipeline", "release_cpu_buffers",
            "cpu_buffer_stats", "init_distributed", "CollectiveError"]
 # The subpackages an eager import used to leave set as attributes (moepar.moe.cpu, ...).
 __getattr__, __dir__ = _attach(__name__, _NAMES, submodules=("moe", "parallel", "tables"))

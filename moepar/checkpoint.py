@@ -22,6 +22,11 @@ order says "the TP/EP slice first, then FSDP's chunk of it":
   expert_rep (ep, edp x etp):   [Shard(0), Shard(0)]
 so a fully-sharded checkpoint loads into any layout, sharded or not, and back.
 
+Pipeline stages: each rank holds its stage's parameters, under the names they have in the
+whole model (``moepar.parallel.pipeline``), and every mesh above is the one of its stage
+(a leading "pp" mesh dimension, sliced off), so DCP writes each parameter once, from the
+stage that holds it, with the same global shape at any pp: the checkpoint is layout-free.
+
 ``save_checkpoint``/``latest_checkpoint`` add crash safety: each save goes to a temporary
 directory that rank 0 renames to ``step_<n>`` only after every rank finished writing, so
 a run killed mid-save leaves the previous checkpoint intact.
@@ -59,10 +64,19 @@ def _meshes(state: ParallelState):
     key = ("checkpoint", id(dist.group.WORLD))
     if key not in state.meshes:
         device = _device_type()
-        dense = init_device_mesh(device, (lay.dp, lay.tp), mesh_dim_names=("dp", "tp"))
-        expert = init_device_mesh(device, (lay.edp, lay.ep, lay.etp), mesh_dim_names=("edp", "ep", "etp"))
+        if lay.pp == 1:
+            dense = init_device_mesh(device, (lay.dp, lay.tp), mesh_dim_names=("dp", "tp"))
+            expert = init_device_mesh(device, (lay.edp, lay.ep, lay.etp), mesh_dim_names=("edp", "ep", "etp"))
+        else:   # every rank builds both whole-world meshes, then keeps its stage's slice
+            dense = init_device_mesh(device, (lay.pp, lay.dp, lay.tp), mesh_dim_names=("pp", "dp", "tp"))
+            expert = init_device_mesh(device, (lay.pp, lay.edp, lay.ep, lay.etp),
+                                      mesh_dim_names=("pp", "edp", "ep", "etp"))
+            dense, expert = dense["dp", "tp"], expert["edp", "ep", "etp"]
         state.meshes[key] = (dense, expert)
     return state.meshes[key]
+
+
+_FSDP_KINDS = ("dense", "sp", "expert", "expert_rep")
 
 
 def _fsdp_mesh(kind: str, state: ParallelState):
@@ -71,13 +85,20 @@ def _fsdp_mesh(kind: str, state: ParallelState):
     key = ("checkpoint-fsdp", kind, id(dist.group.WORLD))
     if key not in state.meshes:
         lay = state.layout
-        ranks = torch.arange(lay.world_size)
-        grid = {"dense": (ranks.view(lay.dp, lay.tp).T, ("tp", "dp")),
-                "sp": (ranks, ("world",)),
-                "expert": (ranks.view(lay.edp, lay.ep, lay.etp).permute(1, 0, 2), ("ep", "edp", "etp")),
-                "expert_rep": (ranks.view(lay.edp, lay.ep, lay.etp).permute(1, 0, 2).reshape(lay.ep, -1),
-                               ("ep", "edp_etp"))}[kind]
-        state.meshes[key] = DeviceMesh(_device_type(), grid[0].contiguous(), mesh_dim_names=grid[1])
+        # With pipeline stages every rank builds every kind's mesh, in one order (a stage may
+        # lack a kind), over the world with a leading "pp" dimension, and keeps its stage's.
+        for k in (_FSDP_KINDS if lay.pp > 1 else (kind,)):
+            ranks = torch.arange(lay.world_size).view(lay.pp, lay.stage_size)
+            by_expert = ranks.view(lay.pp, lay.edp, lay.ep, lay.etp).permute(0, 2, 1, 3)
+            grid, names = {"dense": (ranks.view(lay.pp, lay.dp, lay.tp).transpose(1, 2), ("tp", "dp")),
+                           "sp": (ranks, ("world",)),
+                           "expert": (by_expert, ("ep", "edp", "etp")),
+                           "expert_rep": (by_expert.reshape(lay.pp, lay.ep, -1), ("ep", "edp_etp"))}[k]
+            if lay.pp == 1:
+                mesh = DeviceMesh(_device_type(), grid[0].contiguous(), mesh_dim_names=names)
+            else:
+                mesh = DeviceMesh(_device_type(), grid.contiguous(), mesh_dim_names=("pp",) + names)[names]
+            state.meshes[("checkpoint-fsdp", k, id(dist.group.WORLD))] = mesh
     return state.meshes[key]
 
 
@@ -129,6 +150,11 @@ def _state_dict(model: nn.Module, optimizer: torch.optim.Optimizer | None, state
                 create_optimizer_state: bool) -> dict:
     sd: dict = {}
     _reshard(model)
+    if _distributed() and state.layout.pp > 1:
+        # Stages hold different parameters: every rank makes every mesh now, in one order.
+        _meshes(state)
+        if any(hasattr(p, "moepar_fsdp_kind") for p in model.parameters()):
+            _fsdp_mesh("dense", state)
     params = dict(model.named_parameters())
     for name, p in params.items():
         sd[f"model.{name}"] = _wrap(p.data, p, state)
@@ -184,8 +210,12 @@ def _init_optimizer_state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> 
 def _rng_key(state: ParallelState) -> str:
     """This rank's RNG entry. The layout is in the name: RNG streams belong to a rank of one
     layout, and a load under another layout finds no entry (and keeps its own streams)."""
+    return f"rng.{_layout_name(state)}.rank{state.rank}"
+
+
+def _layout_name(state: ParallelState) -> str:
     lay = state.layout
-    return f"rng.world{lay.world_size}.tp{lay.tp}.ep{lay.ep}.etp{lay.etp}.rank{state.rank}"
+    return f"world{lay.world_size}.tp{lay.tp}.ep{lay.ep}.etp{lay.etp}" + (f".pp{lay.pp}" if lay.pp > 1 else "")
 
 
 def _rng_streams(state: ParallelState) -> dict:
@@ -260,15 +290,15 @@ def _check(path: str, sd: dict, state: ParallelState) -> None:
             raise CheckpointError(f"{shard}: truncated shard, {os.path.getsize(shard)} bytes where "
                                   f"the metadata needs {size}")
     saved = md.state_dict_metadata
-    lay = state.layout
-    here = f"world{lay.world_size}.tp{lay.tp}.ep{lay.ep}.etp{lay.etp}"
+    here = _layout_name(state)
     there = next((k[len("rng."):].rsplit(".rank", 1)[0] for k in saved if k.startswith("rng.")), "an unknown layout")
     extras = [k[len("extra."):] for k in sd if k.startswith("extra.") and k not in saved]
     if extras:
         raise CheckpointError(f"{path} has no extra value {extras} (saved keys: "
                               f"{sorted(k[len('extra.'):] for k in saved if k.startswith('extra.'))})")
     missing = [k for k in sd if k not in saved and not k.startswith("rng.")]
-    foreign = [k for k in saved if k.startswith("model.") and k not in sd]
+    held = _model_keys_of_every_stage(sd, state)
+    foreign = [k for k in saved if k.startswith("model.") and k not in held]
     if missing or foreign:
         what = (f"has no entry for {len(missing)} of this model's, e.g. {missing[:3]}" if missing else
                 f"has {len(foreign)} parameters this model lacks, e.g. {foreign[:3]}")
@@ -292,6 +322,35 @@ def _check(path: str, sd: dict, state: ParallelState) -> None:
                                   f"layout ({here})")
 
 
+def _model_keys_of_every_stage(sd: dict, state: ParallelState) -> set:
+    """The model entries of the whole model: this rank's, and with pipeline stages every
+    stage's (gathered over the pipeline group)."""
+    mine = {k for k in sd if k.startswith("model.")}
+    if state.layout.pp == 1 or state.pp_group is None:
+        return mine
+    every: list = [None] * state.pp_size
+    dist.all_gather_object(every, sorted(mine), group=state.pp_group)
+    return set().union(*map(set, every))
+
+
+def _check_everywhere(path: str, sd: dict, state: ParallelState) -> None:
+    """``_check`` on every rank; with pipeline stages (each rank checks its stage's entries)
+    one rank's error is raised on every rank, so that none goes on into DCP's collectives."""
+    if state.layout.pp == 1 or not _distributed():
+        _check(path, sd, state)
+        return
+    try:
+        _check(path, sd, state)
+        mine = None
+    except CheckpointError as e:
+        mine = str(e)
+    errors: list = [None] * state.world_size
+    dist.all_gather_object(errors, mine)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise CheckpointError(first)
+
+
 def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
          extra_keys: tuple[str, ...] = (), state: ParallelState | None = None, rng: bool = False) -> dict:
     """Load ``path`` into ``model`` (and ``optimizer``) for the current layout; returns the
@@ -304,7 +363,7 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     sd = _state_dict(model, optimizer, state, create_optimizer_state=True)
     for key in extra_keys:
         sd[f"extra.{key}"] = b""
-    _check(path, sd, state)
+    _check_everywhere(path, sd, state)
     rng_key = _rng_key(state) if rng else None
     if rng_key is not None:
         if rng_key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata:

@@ -103,9 +103,9 @@ def test_model_parallel_rng_fork_is_a_separate_stream():
     assert torch.equal(b, torch.rand(3, generator=gen))
 
 
-def _state_on_rank(tp, ep, etp):
+def _state_on_rank(tp, ep, etp, pp=1):
     import torch.distributed as dist
-    state = init_parallel(tp, ep, etp, seed=1234)
+    state = init_parallel(tp, ep, etp, seed=1234, pipeline_parallel_size=pp)
     out = {"line": state.describe(), "sizes": (state.tp_size, state.dp_size, state.ep_size,
                                                 state.etp_size, state.edp_size)}
     # The groups hold the ranks the layout says: all-reduce each rank's id in each group.
@@ -117,7 +117,40 @@ def _state_on_rank(tp, ep, etp):
         out[kind] = sorted(r for r in range(dist.get_world_size()) if int(t) >> r & 1)
     out["mpu"] = (state.get_model_parallel_rank(), state.get_data_parallel_rank(),
                   state.get_data_parallel_world_size())
+    out["pipeline"] = (state.get_pipeline_model_parallel_rank(), state.get_pipeline_model_parallel_world_size(),
+                       state.is_pipeline_first_stage(), state.is_pipeline_last_stage(),
+                       state.get_pipeline_model_parallel_group() is state.pp_group)
+    t = torch.tensor([1 << dist.get_rank()])
+    if state.stage_group is not None:
+        dist.all_reduce(t, group=state.stage_group)
+    out["stage"] = sorted(r for r in range(dist.get_world_size()) if int(t) >> r & 1)
     return out
+
+
+def test_groups_on_four_ranks_with_pipeline_stages():
+    # pp 2 x ep 2: stage 0 = ranks 0, 1 and stage 1 = ranks 2, 3; every other group inside a stage.
+    results = run_ranks(_state_on_rank, 4, 1, 2, None, 2)
+    lay = Layout(4, 1, 2, 1, pp=2)
+    for rank, res in enumerate(results):
+        for kind, groups in lay.all_groups().items():
+            assert res[kind] == next(g for g in groups if rank in g), (rank, kind)
+        assert res["stage"] == ([0, 1] if rank < 2 else [2, 3])
+        assert res["pipeline"] == (rank // 2, 2, rank < 2, rank >= 2, True)
+    assert [r["pp"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert "pipeline stage 1 of 2" in results[3]["line"]
+
+
+def _bad_pipeline_init(pp):
+    try:
+        init_parallel(1, 1, pipeline_parallel_size=pp)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_pipeline_not_dividing_the_world_raises_on_every_rank():
+    msgs = run_ranks(_bad_pipeline_init, 4, 3)
+    assert all(m and "world_size=4 is not divisible by pipeline_parallel_size=3" in m for m in msgs), msgs
 
 
 def test_groups_on_four_ranks():
@@ -160,3 +193,4 @@ def test_parallel_state_single_answers_mpu_names():
     assert s.get_expert_model_parallel_world_size() == 1
     assert s.get_tensor_model_parallel_rank() == 0
     assert s.get_pipeline_model_parallel_world_size() == 1
+    assert s.is_pipeline_first_stage() and s.is_pipeline_last_stage() and s.stage_group is None

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.distributed as dist
 import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn

@@ -150,7 +150,12 @@ def _timed(op: str, group, nbytes: int, backward: bool, fn, stats: CommStats | N
         raise CollectiveError.of(e, op, group, backward, t0) from e
     if sync:
         torch.cuda.synchronize()
-    event = CommEvent(op, group_size(group), nbytes, time.perf_counter() - t0, backward, wait)
+    record(CommEvent(op, group_size(group), nbytes, time.perf_counter() - t0, backward, wait), stats)
+
+
+def record(event: CommEvent, stats: CommStats | None = None) -> None:
+    """Add ``event`` to every ``track()`` block open now (and to ``stats``): for the
+    communication moepar does not issue itself, e.g. the pipeline schedules' sends."""
     for listener in _LISTENERS:
         listener.add(event)
     if stats is not None:
@@ -413,13 +418,9 @@ class _AllToAllAsync(torch.autograd.Function):
             raise CollectiveError.of(e, "all_to_all", group, False, t0) from e
         nbytes = _nbytes(x)
 
-        def record(t_end: float) -> None:   # launch to completion, overlapped work included
-            event = CommEvent("all_to_all", group_size(group), nbytes, t_end - t0, False)
-            for listener in _LISTENERS:
-                listener.add(event)
-            if stats is not None:
-                stats.add(event)
-        pending._record = record
+        def record_end(t_end: float) -> None:   # launch to completion, overlapped work included
+            record(CommEvent("all_to_all", group_size(group), nbytes, t_end - t0, False), stats)
+        pending._record = record_end
         return out
 
     @staticmethod

@@ -7,13 +7,15 @@ whose gradient contributions must be summed; every group then divides by dp:
 
   kind        parameter                                   FSDP group       divide by
   dense       dense, TP-sliced or replicated              dp               dp
-  sp          dense, sequence_parallel=True (tp > 1)      world (tp x dp)  dp
+  sp          dense, sequence_parallel=True (tp > 1)      stage (tp x dp)  dp
   expert      moepar_expert, sliced over expert-TP        edp              dp (not edp)
   expert_rep  moepar_expert, replicated over expert-TP    edp x etp        dp
 
 (an SP parameter's gradient is summed over TP and dp, so sharding it over tp x dp does both
 sums in one reduce-scatter; likewise edp x etp for the expert-TP-replicated output bias.)
 A dense TP-sliced parameter is sharded within its TP slice: the dp group holds one slice.
+With pipeline stages every group lies inside one stage (a stage's model holds only its own
+layers; "stage" is the world when pp = 1), so each stage shards its own parameters.
 
 Units (one all-gather and one reduce-scatter each): every child of every ``nn.ModuleList``
 (the transformer blocks), then the root; parameters of several kinds share a unit through
@@ -97,10 +99,12 @@ def _mesh_infos(state: ParallelState, device_type: str) -> dict[str, object]:
         return state.meshes[key]
     lay, rank = state.layout, state.rank
     singles = [[r] for r in range(lay.world_size)]
-    edp_etp = [sorted(r for r in range(lay.world_size) if lay.coords(r)["ep"] == e) for e in range(lay.ep)]
+    # The ranks of one stage with the same EP index (every stage's groups, in stage order).
+    edp_etp = [sorted(r for r in range(lay.world_size) if lay.coords(r)["ep"] == e and lay.coords(r)["pp"] == s)
+               for s in range(lay.pp) for e in range(lay.ep)]
     groups = {
         "dense": state.dp_group or _group_of(singles, rank, "single", state),
-        "sp": dist.group.WORLD,
+        "sp": state.stage_group or _group_of(singles, rank, "single", state),
         "expert": state.edp_group or _group_of(singles, rank, "single", state),
         "expert_rep": (_group_of(edp_etp, rank, "edp_etp", state) if len(edp_etp[0]) > 1
                        else _group_of(singles, rank, "single", state)),
@@ -112,11 +116,14 @@ def _mesh_infos(state: ParallelState, device_type: str) -> dict[str, object]:
 
 
 def _units(model: nn.Module) -> list[nn.Module]:
-    """Every child of every ModuleList, deepest first, then the root (fully_shard goes bottom-up)."""
+    """Every child of every ModuleList or ModuleDict, deepest first, then the root (fully_shard
+    goes bottom-up)."""
     found: list[nn.Module] = []
     for module in model.modules():
-        if isinstance(module, nn.ModuleList):
-            found.extend(c for c in module if any(True for _ in c.parameters()))
+        # ModuleDict: a pipeline stage's blocks, keyed by their index in the whole model
+        if isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            children = module.values() if isinstance(module, nn.ModuleDict) else module
+            found.extend(c for c in children if any(True for _ in c.parameters()))
     depth = {id(m): len(n.split(".")) for n, m in model.named_modules()}
     found.sort(key=lambda m: -depth[id(m)])
     return found + [model]

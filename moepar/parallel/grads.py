@@ -11,6 +11,10 @@ Rules (objective = mean over data-parallel replicas of each replica's loss):
   (``moepar_expert_partition_dim is None``, e.g. the output bias, applied on ETP rank 0
   only) is first summed over the ETP group.
 A ``None`` gradient counts as zeros, so every rank issues the same collectives.
+With pipeline stages each rank holds its stage's parameters only and every group above lies
+inside one stage, so the reductions are per stage; the gradient norm adds the stages' sums
+over the pipeline group. No parameter is shared between stages (the example's head is not
+tied to its embedding): a tied pair would need its gradients summed across the two stages.
 Gradients are flattened into one buffer per (group, dtype) to keep the call count low.
 """
 from __future__ import annotations
@@ -97,7 +101,8 @@ def grad_norm(model: nn.Module, state: ParallelState | None = None,
     device: the sums and their all-reduces stay there (NCCL takes no CPU tensor; nothing is
     read to the host). Each distinct parameter slice counts once: dense TP-sliced params
     summed over TP, replicated ones counted on TP rank 0; expert slices summed over the EP
-    and ETP groups, ETP-replicated ones counted on ETP rank 0."""
+    and ETP groups, ETP-replicated ones counted on ETP rank 0; the stages' sums over the
+    pipeline group (each stage holds its own layers)."""
     state = state if state is not None else get_parallel_state()
     if any(hasattr(p, "moepar_fsdp_kind") for p in model.parameters()):
         return _sharded_grad_norm(model, state, stats)
@@ -116,12 +121,15 @@ def grad_norm(model: nn.Module, state: ParallelState | None = None,
     comm.all_reduce_(dense_sq, state.tp_group, stats=stats)
     comm.all_reduce_(expert_sq, state.ep_group, stats=stats)
     comm.all_reduce_(expert_sq, state.etp_group, stats=stats)
-    return (dense_sq + expert_sq).sqrt().float()
+    total = dense_sq + expert_sq
+    comm.all_reduce_(total, state.pp_group, stats=stats)   # 8 bytes over the pipeline stages
+    return total.sqrt().float()
 
 
 def _sharded_grad_norm(model: nn.Module, state: ParallelState, stats: comm.CommStats | None) -> torch.Tensor:
     """grad_norm of a moepar.fully_shard model: each rank's gradient shards are distinct
-    within their FSDP group, so one sum over the world counts every element once, except a
+    within their FSDP group (and each pipeline stage holds its own layers), so one sum over
+    the world counts every element once, except a
     replicated (not TP-sliced) dense parameter, whose TP ranks hold the same shards: counted on
     TP rank 0. One 8-byte all-reduce over the world, on the parameters' device."""
     sq = torch.zeros((), dtype=torch.float64, device=_param_device(model))

@@ -1,4 +1,4 @@
-"""Process-group layout for tensor, data and expert parallelism ("MoE parallel folding").
+"""Process-group layout for tensor, data, expert and pipeline parallelism ("MoE parallel folding").
 
 Dense layers see the world as ``tp x dp`` with consecutive ranks forming a TP group:
 ``rank = dp_rank * tp + tp_rank``. Expert layers fold the same ranks into
@@ -10,6 +10,12 @@ One MoE layer's collectives (TP, EP, ETP) stay inside its *MoE block*: the closu
 groups, ``lcm(tp, ep*etp)`` consecutive ranks (group "moe"). Its counts exchange is an
 all-gather over the block, so a bad input on any rank of the block raises on all of them,
 and nothing in a layer's forward reaches wider (data-parallel replicas, pipeline stages).
+
+Pipeline stages are outermost (Megatron's order): with ``pp`` stages, stage s holds the
+consecutive ranks ``s * stage_size ...``, and every group above lies inside one stage; the
+pipeline groups ("pp") join the ranks at the same place of every stage, and the "stage"
+group (created only when pp > 1) holds one stage's ranks, the span of a global-batch
+statistic that the world covers when there is one stage.
 
 Everything above ``ParallelState`` is pure rank arithmetic, testable without processes.
 ``init_parallel`` creates the ``torch.distributed`` groups for this rank. In moepar a group
@@ -100,10 +106,21 @@ class ParallelState:
     meshes: dict[object, object] = dataclasses.field(default_factory=dict)
     # The groups' timeout (init_parallel's), for the groups created later on this layout.
     timeout: object = None
+    # Model chunks per pipeline rank for the interleaved and V-shaped schedules (1: one).
+    virtual_pipeline_size: int = 1
 
     @classmethod
     def single(cls, seed: int = 1234) -> "ParallelState":
         return cls(Layout(1), 0, {k: None for k in ("tp", "dp", "etp", "ep", "edp", "moe", "pp")}, seed)
+
+    @property
+    def stage_group(self):
+        """The ranks of this rank's pipeline stage: the world when pp = 1 (None alone)."""
+        if self.layout.pp > 1:
+            return self.groups.get("stage")
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
+            return dist.group.WORLD
+        return None
 
     # sizes and ranks
     def size(self, kind: str) -> int:
@@ -135,6 +152,9 @@ class ParallelState:
     edp_group = property(lambda self: self.group("edp"))
     moe_size = property(lambda self: self.layout.moe)
     moe_group = property(lambda self: self.group("moe"))
+    pp_size = property(lambda self: self.layout.pp)
+    pp_rank = property(lambda self: self.rank_in("pp"))
+    pp_group = property(lambda self: self.group("pp"))
 
     @property
     def moe_rows(self) -> MoeRows:
@@ -157,7 +177,7 @@ class ParallelState:
         with self.rng.fork():
             yield
 
-    # DeepSpeed mpu names (model parallel = tensor parallel here: no pipeline stages).
+    # DeepSpeed mpu names (model parallel = tensor parallel here; the pipeline has its own).
     def get_model_parallel_rank(self) -> int: return self.tp_rank
     def get_model_parallel_world_size(self) -> int: return self.tp_size
     def get_model_parallel_group(self): return self.tp_group
@@ -168,8 +188,22 @@ class ParallelState:
     get_tensor_model_parallel_rank = get_model_parallel_rank
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
     get_tensor_model_parallel_group = get_model_parallel_group
-    def get_pipeline_model_parallel_rank(self) -> int: return 0
-    def get_pipeline_model_parallel_world_size(self) -> int: return 1
+    def get_pipeline_model_parallel_rank(self) -> int: return self.pp_rank
+    def get_pipeline_model_parallel_world_size(self) -> int: return self.pp_size
+    def get_pipeline_model_parallel_group(self): return self.pp_group
+    def get_virtual_pipeline_model_parallel_world_size(self) -> int: return self.virtual_pipeline_size
+
+    def is_pipeline_first_stage(self) -> bool:
+        """Whether this rank is first in its pipeline group (it holds the first stage, the
+        embedding)."""
+        return self.pp_rank == 0
+
+    def is_pipeline_last_stage(self) -> bool:
+        """Whether this rank is last in its pipeline group (Megatron's meaning: it holds the
+        last stage, the head and the loss, with one stage per rank or the interleaved loop
+        placement). With the V-shaped schedules (zbv, dualpipev) the last stage is on rank 0
+        instead: ``moepar.Pipeline.has_last`` says where a rank's stages are."""
+        return self.pp_rank == self.pp_size - 1
     def get_expert_model_parallel_rank(self) -> int: return self.ep_rank
     def get_expert_model_parallel_world_size(self) -> int: return self.ep_size
     def get_expert_model_parallel_group(self): return self.ep_group
@@ -183,6 +217,7 @@ class ParallelState:
     def describe(self) -> str:
         return (f"initializing model parallel with size {self.tp_size}: global rank {self.rank}, "
                 f"tp rank {self.tp_rank}, ep rank {self.ep_rank}, dp rank {self.dp_rank}, "
+                + (f"pipeline stage {self.pp_rank} of {self.pp_size}, " if self.pp_size > 1 else "") +
                 f"model parallel seed {self.model_parallel_seed}, "
                 f"data parallel seed {self.data_parallel_seed}")
 
@@ -200,14 +235,20 @@ def world() -> tuple[int, int]:
 def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
                   expert_tensor_parallel_size: int | None = None, seed: int = 1234,
                   verbose: bool = False,
-                  timeout: datetime.timedelta | float | None = DEFAULT_TIMEOUT) -> ParallelState:
-    """Create this rank's tp/dp/ep/etp/edp groups and seed the RNGs the Megatron way.
+                  timeout: datetime.timedelta | float | None = DEFAULT_TIMEOUT,
+                  pipeline_parallel_size: int = 1, virtual_pipeline_size: int = 1) -> ParallelState:
+    """Create this rank's tp/dp/ep/etp/edp/pp groups and seed the RNGs the Megatron way.
 
     Call after ``torch.distributed.init_process_group`` (every rank, same arguments), or
     with no process group at all for a world of one. ``expert_tensor_parallel_size=None``
     means 1: each expert whole on one rank, as in DeepSpeed-MoE (Megatron defaults it to
     the dense TP size; pass it explicitly for that). Raises ``ValueError`` on every rank,
     before creating any group, when the sizes do not tile the world.
+
+    ``pipeline_parallel_size=p`` cuts the world into p stages of consecutive ranks (the
+    pipeline outermost; every other group lies inside one stage);
+    ``virtual_pipeline_size=v``: model chunks per rank for the interleaved and V-shaped
+    schedules (``moepar.parallel.pipeline``), kept in the state for the stage builders.
 
     ``timeout`` (a timedelta, or seconds; default ``moepar.parallel.faults.DEFAULT_TIMEOUT``,
     10 minutes): how long a collective on these groups waits for a peer before it fails, with
@@ -217,17 +258,20 @@ def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
     global _STATE
     timeout = as_timeout(timeout)
     etp = 1 if expert_tensor_parallel_size is None else expert_tensor_parallel_size
+    pp = pipeline_parallel_size
     _check_positive(tensor_parallel_size=tensor_parallel_size,
-                    expert_parallel_size=expert_parallel_size, expert_tensor_parallel_size=etp)
+                    expert_parallel_size=expert_parallel_size, expert_tensor_parallel_size=etp,
+                    pipeline_parallel_size=pp, virtual_pipeline_size=virtual_pipeline_size)
     rank, world_size = world()
-    if world_size == 1 and max(tensor_parallel_size, expert_parallel_size, etp) > 1 and not (
+    if world_size == 1 and max(tensor_parallel_size, expert_parallel_size, etp, pp) > 1 and not (
             dist.is_available() and dist.is_initialized()):
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size}, expert_parallel_size={expert_parallel_size}, "
-            f"expert_tensor_parallel_size={etp} need torch.distributed to be initialised "
+            f"expert_tensor_parallel_size={etp}, pipeline_parallel_size={pp} need torch.distributed "
+            f"to be initialised "
             f"(launch with torchrun and call torch.distributed.init_process_group first); "
             f"without it the world has 1 rank and every size must be 1")
-    layout = Layout(world_size, tensor_parallel_size, expert_parallel_size, etp)
+    layout = Layout(world_size, tensor_parallel_size, expert_parallel_size, etp, pp)
     groups: dict[str, object | None] = {}
     # The MoE block reuses a group of the same ranks where there is one (most layouts: the EP
     # or the TP group); the other kinds keep groups of their own (FSDP2 wants one mesh per group).
@@ -242,7 +286,15 @@ def init_parallel(tensor_parallel_size: int = 1, expert_parallel_size: int = 1,
                 made[key] = dist.new_group(ranks, timeout=timeout)
             if rank in ranks:
                 groups[kind] = made[key]
-    state = ParallelState(layout, rank, groups, seed, timeout=timeout)
+    if pp > 1:   # one stage's ranks: the span of global-batch statistics inside a stage
+        n = layout.stage_size
+        for s in range(pp):
+            ranks = list(range(s * n, (s + 1) * n))
+            g = made.get(tuple(ranks)) or (dist.new_group(ranks, timeout=timeout) if n > 1 else None)
+            if rank in ranks:
+                groups["stage"] = g
+    state = ParallelState(layout, rank, groups, seed, timeout=timeout,
+                          virtual_pipeline_size=virtual_pipeline_size)
     torch.manual_seed(state.data_parallel_seed)
     state.rng = RNGTracker(state.model_parallel_seed)
     if verbose:
