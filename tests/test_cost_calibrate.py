@@ -50,20 +50,22 @@ def test_calibrate_then_validate_on_4_gloo_ranks(tmp_path):
     assert all(r[1] == summary for r in results)
     hw = load_profile(path)
     assert hw.meta["backend"] == "gloo" and hw.meta["world_size"] == 4 and hw.calibrated
-    assert set(hw.curves) == {(op, n) for op in OPS for n in (2, 4)}
+    # the collectives at both group sizes, the point-to-point pair (a stage boundary) at 2
+    assert set(hw.curves) == {(op, n) for op in OPS for n in (2, 4)} | {("p2p", 2)}
     for c in hw.curves.values():
         assert c.sizes == (64 * KiB, 128 * KiB, 256 * KiB)
         assert all(0 < t < 10 for t in c.seconds) and c.alpha >= 0 and c.busbw > 0
         assert min(c.monotone) > 0 and list(c.monotone) == sorted(c.monotone)
     assert 0 < hw.intra.bandwidth < 1e12 and hw.flops > 0 and hw.memory_bytes > 0
-    # 4 ops x 2 group sizes x 2 sizes, plus 2 quick EP-vs-TP cases x 2 group sizes x 2 rows ...
+    # 4 ops x 2 group sizes x 2 sizes, p2p x 2 sizes, plus 2 quick EP-vs-TP cases x 2 group sizes x 2 rows ...
     assert sources == ["collective", "ep-vs-tp", "extra"]
-    assert n_rows == 4 * 2 * 2 + 2 * 12 * 2 + 1
-    assert set(summary["median_rel_error"]) == {"all", *OPS}
+    assert n_rows == 4 * 2 * 2 + 2 + 2 * 12 * 2 + 1
+    assert set(summary["median_rel_error"]) == {"all", "p2p", *OPS}
     assert all(e >= 0 for e in summary["median_rel_error"].values())
     counted, skipped = summary["pick_counted"], summary["pick_skipped_within_margin"]
     assert counted + skipped == 2 * 12 and 0 <= summary["pick_right"] <= counted
     assert "median |relative error|     all_reduce" in text and "EP-vs-TP pick accuracy" in text
+    assert "median |relative error|            p2p" in text
     # the profile drives a report like any preset
     assert get_hardware(path).collective_time("all_reduce", hw_placement(2), 128 * KiB) > 0
 

@@ -65,6 +65,12 @@ def test_fp8_dispatches_fp8_and_combines_bf16():
     assert over[("MoE combine", "fwd")].nbytes == R * D * 4
     with pytest.raises(ValueError, match="dispatch_dtype='int4' is not known"):
         mixtral(dispatch_dtype="int4")
+    # the layer's combine_grad_dtype="fp8": the combine's gradient goes back as FP8 rows too
+    g8 = {(c.name, c.phase): c for c in layer_calls(mixtral(dtype="fp8", combine_grad_dtype="fp8"), lay, H100)}
+    assert g8[("MoE combine grad", "bwd")].nbytes == R * (D + 4 * D // 128)
+    assert g8[("MoE dispatch grad", "bwd")].nbytes == R * D * 2
+    with pytest.raises(ValueError, match="combine_grad_dtype='bf16' must be None or 'fp8'"):
+        mixtral(combine_grad_dtype="bf16")
     # weights and Adam state as BF16 training: FP8 changes no memory figure but activations' dtype
     assert step_cost(mixtral(dtype="fp8"), lay, H100).memory.weights == \
         step_cost(mixtral(), lay, H100).memory.weights

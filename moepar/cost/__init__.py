@@ -14,12 +14,14 @@ from .compare import crossover_topk, ep_vs_tp, recommend
 from .hardware import PRESETS, Hardware, get_hardware, load_profile, save_profile
 from .model import (CostLayout, MoESpec, count_flops, count_params, imbalance_from_counts,
                     memory_per_rank, routes_per_rank)
+from .pipeline import stage_cost
 from .report import build_report, measured_vs_predicted, render_markdown, render_text
+from .schedules import SCHEDULES, bubble_fraction
 
 __all__ = [
     "DEFAULT_COMPUTE_EFFICIENCY", "pick_algo", "wire_bytes", "Call", "CostLayout", "Curve", "Hardware", "Link", "MoESpec", "PRESETS", "Placement", "StepCost",
     "build_report", "bus_factor", "busbw", "count_flops", "count_params", "crossover_topk", "ep_vs_tp",
     "get_hardware", "imbalance_from_counts", "layer_calls", "link_time", "load_profile",
     "measured_vs_predicted", "memory_per_rank", "recommend", "render_markdown", "render_text",
-    "routes_per_rank", "save_profile", "step_calls", "step_cost",
+    "routes_per_rank", "save_profile", "step_calls", "step_cost", "stage_cost", "SCHEDULES", "bubble_fraction",
 ]

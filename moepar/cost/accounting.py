@@ -49,6 +49,12 @@ scatter), the cross-entropy's 3 all-reduces of T·4 forward. Per step: the grad-
 (8 bytes over tp, ep, etp; ``clip_grad``) and the loss over dp (4 bytes; ``loss_allreduce``).
 Attention calls run in every block (``per="layer"``), MoE calls in the MoE blocks
 (``"moe_layer"``), a dense FFN's all-reduce each way in the dense ones (``"dense_layer"``).
+
+Pipeline stages (``moepar.cost.pipeline``): a stage is priced as the model of its own blocks
+(``price_stage``), with its point-to-point sends and receives of T·D·b per micro-batch
+(``per="micro_batch"``; T/tp·D·b with SP) and the schedule's bubble on top of the step; the
+grad-norm scalars add an 8-byte all-reduce over the pipeline group, and each step the loss
+and the aux loss (2 fp32) are summed over it (``moepar.parallel.pipeline.Pipeline.step``).
 """
 from __future__ import annotations
 
@@ -138,7 +144,8 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                      etp_rows=etp * R * (1.0 if f is None else f), b=b, b_dispatch=w.dispatch,
                      b_combine=w.combine, dedup=f is not None, padded=spec.pad_to_capacity,
                      shared=bool(spec.shared_experts), aux_group=aux_group, aux_loss=bool(spec.aux_loss),
-                     z_loss=bool(spec.z_loss), fp8_dispatch=w.dispatch == DTYPE_BYTES["fp8"])
+                     z_loss=bool(spec.z_loss), fp8_dispatch=w.dispatch == DTYPE_BYTES["fp8"],
+                     fp8_combine_grad=spec.combine_grad_dtype == "fp8")
     sizes = {g: layout.size(g) for g in ("moe", "ep", "etp", "tp", "dp", "world")}
     for phase in ("fwd", "bwd"):
         # attention block, Megatron tensor parallel
@@ -169,9 +176,10 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
 
 
 def calls_per_step(call: Call, spec: MoESpec) -> int:
-    """How many times a step issues ``call``: per (MoE / dense) layer and micro-batch, or per step."""
+    """How many times a step issues ``call``: per (MoE / dense) layer and micro-batch, per
+    micro-batch (a stage boundary's send or receive), or per step."""
     layers = {"layer": spec.layers, "moe_layer": spec.moe_layers, "dense_layer": spec.dense_layers,
-              "step": 0}[call.per]
+              "micro_batch": 1, "step": 0}[call.per]
     return call.count * (layers * spec.micro_batches if call.per != "step" else 1)
 
 
@@ -221,21 +229,27 @@ def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params |
                 add(f"{label} weights (ZeRO-3, fwd+bwd)", "all_gather", "step", 2 * spec.micro_batches)
     # Vocab-parallel embedding, output layer and cross-entropy, once per micro-batch
     T, D, mb = spec.tokens, spec.hidden, spec.micro_batches
-    if spec.vocab:
+    # (with pipeline stages: the embedding on the first stage, the output layer and loss on the last)
+    if spec.vocab and spec.first_stage:
         if layout.sp:
             once("embedding SP scatter", "reduce_scatter", "tp", "fwd", T * D * spec.b, "T·D·b", mb)
+        else:
+            once("embedding", "all_reduce", "tp", "fwd", T * D * spec.b, "T·D·b", mb)
+    if spec.vocab and spec.last_stage:
+        if layout.sp:
             once("output layer SP gather", "all_gather", "tp", "fwd", T * D * spec.b, "T·D·b", mb)
             once("output layer SP scatter", "reduce_scatter", "tp", "bwd", T * D * spec.b, "T·D·b", mb)
         else:
-            once("embedding", "all_reduce", "tp", "fwd", T * D * spec.b, "T·D·b", mb)
             once("output layer input grad", "all_reduce", "tp", "bwd", T * D * spec.b, "T·D·b", mb)
         # max, target logit and sum of exponentials over the vocab slices, fp32 per token
         once("cross-entropy", "all_reduce", "tp", "fwd", T * FP32, "T·4", 3 * mb)
-    if spec.clip_grad:   # squared norms: fp64 scalars (dense over TP, experts over EP and ETP)
-        for group in ("tp", "ep", "etp"):
+    if spec.clip_grad:   # squared norms: fp64 scalars (dense over TP, experts over EP and ETP, all over PP)
+        for group in ("tp", "ep", "etp", "pp"):
             once(f"grad norm ({group})", "all_reduce", group, "step", 8, "8")
     if spec.loss_allreduce:
         once("loss", "all_reduce", "dp", "step", FP32, "4")
+    # moepar's Pipeline.step: the last stage's loss and every stage's aux loss, 2 fp32 over pp
+    once("pipeline loss and aux", "all_reduce", "pp", "step", 2 * FP32, "2·4")
     return out
 
 
@@ -253,14 +267,43 @@ class StepCost:
     layer: list[Call]
     step: list[Call]
     compute_efficiency: float
+    p2p: tuple[Call, ...] = ()   # pipeline sends/receives per micro-batch (moepar.cost.pipeline)
+    bubble_units: float = 0.0    # the schedule's bubble, in micro-batch times t_mb
+    pipeline: object = None      # pipeline.PipelineInfo when pp > 1
 
     @property
     def comm_per_layer(self) -> float:
         return sum(c.total_seconds for c in self.layer)
 
     @property
+    def p2p_per_microbatch(self) -> float:
+        """Seconds a micro-batch waits on its stage boundaries: the receives (each transfer
+        once; its send is the peer's receive)."""
+        return sum(c.total_seconds for c in self.p2p if c.op == "recv")
+
+    @property
     def comm_per_step(self) -> float:
-        return sum(c.seconds * calls_per_step(c, self.spec) for c in self.layer + self.step)
+        return (sum(c.seconds * calls_per_step(c, self.spec) for c in self.layer + self.step)
+                + self.p2p_per_microbatch * self.spec.micro_batches)
+
+    @property
+    def microbatch_time(self) -> float:
+        """t_mb: one micro-batch's forward + backward on this rank: compute, its layers'
+        collectives and its stage boundaries (no overlap)."""
+        mb = self.spec.micro_batches
+        layers = sum(c.seconds * calls_per_step(c, self.spec) for c in self.layer)
+        return (self.compute_per_step + layers) / mb + self.p2p_per_microbatch
+
+    @property
+    def bubble_time(self) -> float:
+        """Seconds the pipeline's fill and drain leave this rank idle (0 without stages)."""
+        return self.bubble_units * self.microbatch_time
+
+    @property
+    def hidden_p2p(self) -> float:
+        """The steady state's stage-boundary transfers behind compute (torch issues them
+        asynchronously); the fill and drain keep theirs (they are in ``bubble_time``)."""
+        return self.p2p_per_microbatch * self.spec.micro_batches
 
     @property
     def rate(self) -> float:
@@ -273,8 +316,8 @@ class StepCost:
 
     @property
     def step_time(self) -> float:
-        """Communication + compute, no overlap assumed (an upper bound on the step)."""
-        return self.comm_per_step + self.compute_per_step
+        """Communication + compute (+ the pipeline bubble), no overlap assumed (an upper bound)."""
+        return self.comm_per_step + self.compute_per_step + self.bubble_time
 
     @property
     def grad_reduction(self) -> float:
@@ -306,7 +349,7 @@ class StepCost:
     def step_time_overlapped(self) -> float:
         """Ideal overlap: the step less the gradient reduction hidden behind the backward and
         the all-to-alls hidden behind shared experts (a lower bound for this compute rate)."""
-        return self.step_time - self.hidden_grad_reduction - self.hidden_shared_experts
+        return self.step_time - self.hidden_grad_reduction - self.hidden_shared_experts - self.hidden_p2p
 
     @property
     def tokens_per_step(self) -> int:
@@ -333,12 +376,22 @@ def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficienc
     """Check the layout against the model, then price everything for one step.
     ``compute_efficiency`` defaults to DEFAULT_COMPUTE_EFFICIENCY on a preset's peak FLOP
     rate and to 1.0 on a calibrated profile, whose rate is a measured matmul rate."""
-    check_fits(spec, layout)
     if compute_efficiency is None:
         compute_efficiency = 1.0 if hw.calibrated else DEFAULT_COMPUTE_EFFICIENCY
     if not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] "
                          f"(the fraction of the peak FLOP rate reached)")
+    if layout.pp > 1:
+        from .pipeline import pipeline_cost
+        return pipeline_cost(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)
+    return price_stage(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)
+
+
+def price_stage(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float,
+                a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
+    """Everything of one rank whose layers are ``spec``'s (the whole model, or a pipeline
+    stage's share of it), without stage boundaries."""
+    check_fits(spec, layout)
     params = count_params(spec, layout)
     routes = routes_per_rank(spec, layout)
     flops = count_flops(spec, layout, params, routes)

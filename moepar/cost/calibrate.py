@@ -10,6 +10,13 @@ Per (op, n) the table of (S, t) is kept as a measured curve, and a latency alpha
 bandwidth (busbw = factor / beta) are fitted by least squares on relative residuals. A
 single link (median busbw, median latency per step) is fitted too, to price group sizes
 that were not measured.
+
+Point-to-point ("p2p", group size 2): what a pipeline stage boundary moves, one tensor each
+way between ranks 2i and 2i + 1 (every pair at once; in 1F1B's steady state a rank sends its
+activation while it receives a gradient), as nccl-tests' sendrecv times it and as torch's
+pipeline schedules issue it (``dist.batch_isend_irecv`` of ``P2POp``s). Each rank waits for
+its own receive, so every rank times the transfer (a send alone can return before its
+receiver has the data). The curve prices the model's send/recv rows inside a node.
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm
-from .collectives import OPS, Curve, Link, bus_factor, fit_alpha_beta
+from .collectives import OPS, P2P, Curve, Link, bus_factor, fit_alpha_beta
 from .hardware import Hardware, machine_description, utc_now
 from .units import fmt_bytes
 
@@ -120,15 +127,40 @@ class Buffers:
         self.dtype, self.device = dtype, dev
         self.elem = torch.tensor([], dtype=dtype).element_size()
         self.buf = torch.zeros(0, dtype=dtype, device=dev)
+        self.out = torch.zeros(0, dtype=dtype, device=dev)
 
     def view(self, numel: int) -> torch.Tensor:
         if self.buf.numel() < numel:
             self.buf = torch.zeros(numel, dtype=self.dtype, device=self.device)
         return self.buf[:numel]
 
+    def out_view(self, numel: int) -> torch.Tensor:
+        """A second buffer, for what a point-to-point exchange receives."""
+        if self.out.numel() < numel:
+            self.out = torch.zeros(numel, dtype=self.dtype, device=self.device)
+        return self.out[:numel]
+
+
+def p2p_fn(nbytes: int, bufs: Buffers) -> Callable[[], object]:
+    """One tensor of ``nbytes`` each way between ranks 2i and 2i + 1 (module docstring), as a
+    pipeline schedule sends a stage's output and receives a gradient (``batch_isend_irecv``)."""
+    rank, numel = dist.get_rank(), max(1, nbytes // bufs.elem)
+    x, y = bufs.view(numel), bufs.out_view(numel)
+    ops = [dist.P2POp(dist.isend, x, rank ^ 1), dist.P2POp(dist.irecv, y, rank ^ 1)]
+    if rank % 2:
+        ops.reverse()   # the pair posts matching orders
+
+    def fn():
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return fn
+
 
 def collective_fn(op: str, group, n: int, nbytes: int, bufs: Buffers) -> Callable[[], object]:
-    """A closure issuing one ``op`` of ``nbytes`` (nccl-tests size) through moepar's comm."""
+    """A closure issuing one ``op`` of ``nbytes`` (nccl-tests size) through moepar's comm
+    (``p2p``: a pair's send and receive, ``p2p_fn``)."""
+    if op == P2P:
+        return p2p_fn(nbytes, bufs)
     numel = max(n, nbytes // bufs.elem // n * n)
     if op == "all_reduce":
         x = bufs.view(numel)
@@ -142,7 +174,15 @@ def collective_fn(op: str, group, n: int, nbytes: int, bufs: Buffers) -> Callabl
     if op == "all_to_all":
         x = bufs.view(numel)
         return lambda: comm.all_to_all_rows(x, group, None, None)
-    raise ValueError(f"op={op!r} is not a known collective; valid: {', '.join(OPS)}")
+    raise ValueError(f"op={op!r} is not a known collective; valid: {', '.join(CALIBRATED_OPS)}")
+
+
+CALIBRATED_OPS = (*OPS, P2P)   # what calibrate measures by default
+
+
+def op_group_sizes(op: str, group_sizes: Sequence[int]) -> list[int]:
+    """The group sizes an op is measured at: a point-to-point pair is 2 ranks."""
+    return [n for n in group_sizes if n == 2] if op == P2P else list(group_sizes)
 
 
 def _sync(dev: torch.device) -> None:
@@ -229,14 +269,15 @@ def memory_per_rank(dev: torch.device) -> float:
 
 def fit_link(curves: dict[tuple[str, int], Curve], name: str) -> Link:
     """One link for unmeasured group sizes: median busbw, median latency per ring step."""
-    bws = [c.busbw for c in curves.values() if c.beta > 0]
-    lats = [c.alpha / ((2 if c.op == "all_reduce" else 1) * (c.group_size - 1)) for c in curves.values()]
+    coll = [c for c in curves.values() if c.op != P2P]   # the collectives' ring steps
+    bws = [c.busbw for c in coll if c.beta > 0]
+    lats = [c.alpha / ((2 if c.op == "all_reduce" else 1) * (c.group_size - 1)) for c in coll]
     return Link(name, statistics.median(bws) if bws else 1e9, statistics.median(lats) if lats else 0.0,
                 "fitted by `python -m moepar calibrate`")
 
 
 def calibrate(sizes: Sequence[int] | None = None, group_sizes: Sequence[int] | None = None,
-              ops: Sequence[str] = OPS, repeats: int = 5, warmup: int = 1, dtype: str = "fp32",
+              ops: Sequence[str] = CALIBRATED_OPS, repeats: int = 5, warmup: int = 1, dtype: str = "fp32",
               log: Callable[[str], None] | None = None) -> Hardware:
     """Measure and fit on every rank; every rank returns the same ``Hardware``."""
     rank, world = ensure_process_group()
@@ -245,21 +286,21 @@ def calibrate(sizes: Sequence[int] | None = None, group_sizes: Sequence[int] | N
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r} is not valid; valid: {', '.join(DTYPES)}")
     for op in ops:
-        if op not in OPS:
-            raise ValueError(f"op={op!r} is not a known collective; valid: {', '.join(OPS)}")
+        if op not in CALIBRATED_OPS:
+            raise ValueError(f"op={op!r} is not a known collective; valid: {', '.join(CALIBRATED_OPS)}")
     sizes = sorted(set(sizes or size_sweep()))
     group_sizes = list(group_sizes or [n for n in (2, 4, 8) if n <= world and world % n == 0])
     dev, tdtype = device(), DTYPES[dtype]
     groups = make_groups(group_sizes)
     bufs = Buffers(tdtype, dev)
     t_start = time.perf_counter()
-    keys = [(op, n, s) for op in ops for n in group_sizes for s in sizes]
+    keys = [(op, n, s) for op in ops for n in op_group_sizes(op, group_sizes) for s in sizes]
     secs = time_interleaved([collective_fn(op, groups[n], n, s, bufs) for op, n, s in keys],
                             repeats, warmup, dev)
     table = dict(zip(keys, secs))
     curves: dict[tuple[str, int], Curve] = {}
     for op in ops:
-        for n in group_sizes:
+        for n in op_group_sizes(op, group_sizes):
             ts = [table[(op, n, s)] for s in sizes]
             alpha, beta = fit_alpha_beta(sizes, ts)
             c = curves[(op, n)] = Curve(op, n, tuple(sizes), tuple(ts), alpha, beta)

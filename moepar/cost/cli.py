@@ -20,6 +20,7 @@ from .collectives import ALGOS, OPS
 from .architectures import MODEL_TYPES, spec_fields_from_file
 from .hardware import PRESETS, Hardware, get_hardware, save_profile
 from .model import MODELS, CostLayout, MoESpec, imbalance_from_counts
+from .schedules import SCHEDULES, default_vp
 from .units import fmt_bytes, fmt_time
 
 MODEL_FIELDS = ("hidden", "ffn", "experts", "topk", "layers", "heads", "kv_heads", "vocab")
@@ -90,12 +91,16 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--imbalance", type=float, default=1.0, help="max/mean routes per EP rank (>= 1)")
     g.add_argument("--routing-counts", help="measured tokens per expert, comma-separated or a file: "
                                             "sets --imbalance for the layout's ep")
-    g.add_argument("--micro-batches", type=int, default=1, help="gradient-accumulation micro-batches per step")
+    g.add_argument("--micro-batches", "--microbatches", dest="micro_batches", type=int, default=1,
+                   help="micro-batches per step (gradient accumulation; with --pp the pipeline's M)")
     g.add_argument("--dedup", choices=("auto", "on", "off"), default="auto",
                    help="dispatch one row per token and EP rank (auto: as the layer, when the expected rows "
                         "are at most 0.3 of the routes under uniform routing)")
     g.add_argument("--dispatch-dtype", help="dtype of the dispatched rows (default: fp8 with --dtype fp8, else --dtype)")
     g.add_argument("--combine-dtype", help="dtype of the combined rows (default: bf16 with --dtype fp8, else --dtype)")
+    g.add_argument("--combine-grad-dtype", choices=["fp8"], default=None,
+                   help="fp8: the combine's gradient, sent back to the experts' ranks, in FP8 too "
+                        "(the layer's combine_grad_dtype; default: the combined rows' dtype)")
 
 
 def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
@@ -111,6 +116,19 @@ def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
     g.add_argument("--a2a", choices=ALGOS["all_to_all"], default="pairwise", help="all-to-all algorithm")
     g.add_argument("--allreduce", choices=ALGOS["all_reduce"], default="auto",
                    help="all-reduce algorithm (default auto: the fastest of ring, tree, NVLS at each size, as NCCL)")
+
+
+def add_pipeline_args(g, search: bool = False) -> None:
+    if search:
+        g.add_argument("--pp", help="pipeline sizes to consider, comma-separated (default: every divisor of "
+                                    "--gpus with pp x vp <= layers)")
+    else:
+        g.add_argument("--pp", type=int, default=1, help="pipeline stages (consecutive ranks; default 1)")
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="torch.distributed.pipelining schedule (default 1f1b): gpipe, 1f1b, interleaved "
+                        "(Interleaved1F1B), zb (InterleavedZeroBubble), zbv (ZBVZeroBubble), dualpipev (DualPipeV)")
+    g.add_argument("--vp", type=int, help="stages per rank (virtual pipeline; default 2 for interleaved, zb, "
+                                          "zbv and dualpipev, else 1)")
 
 
 def _positive_arg(name: str, v) -> None:
@@ -157,7 +175,8 @@ def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
                    min_capacity=a.min_capacity, pad_to_capacity=a.pad_to_capacity,
                    seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches,
                    dedup=getattr(a, "dedup", "auto"), dispatch_dtype=getattr(a, "dispatch_dtype", None),
-                   combine_dtype=getattr(a, "combine_dtype", None), **base)
+                   combine_dtype=getattr(a, "combine_dtype", None),
+                   combine_grad_dtype=getattr(a, "combine_grad_dtype", None), **base)
 
 
 def _imbalance_from_file(text: str, experts: int, ep: int) -> float:
@@ -187,7 +206,8 @@ def _report(a: argparse.Namespace) -> int:
     for path, flag in ((a.markdown, "--markdown"), (a.json, "--json"), (a.png, "--png")):
         check_output_path(path, flag)
     hw = hardware_from_args(a)
-    layout = CostLayout(a.gpus, hw.gpus_per_node, a.tp, a.ep, a.etp, a.sp, a.zero)
+    vp = a.vp if a.vp is not None else default_vp(a.schedule)
+    layout = CostLayout(a.gpus, hw.gpus_per_node, a.tp, a.ep, a.etp, a.sp, a.zero, a.pp, vp, a.schedule)
     spec = spec_from_args(a, layout.ep)
     for w in layout.warnings():
         print(f"warning: {w}", file=sys.stderr)
@@ -217,6 +237,7 @@ def report_main(argv: list[str]) -> int:
     g.add_argument("--etp", type=int, default=1, help="expert tensor parallel size")
     g.add_argument("--sp", action="store_true", help="sequence parallelism in the TP group")
     g.add_argument("--zero", type=int, default=0, help="ZeRO stage 0-3")
+    add_pipeline_args(g)
     o = p.add_argument_group("output")
     o.add_argument("--markdown", help="also write the report as Markdown here")
     o.add_argument("--json", help="also write the report's data as JSON here")
@@ -246,8 +267,18 @@ def _recommend(a: argparse.Namespace) -> int:
     if a.top < 1:
         raise ValueError(f"--top {a.top} must be >= 1")
     mem = a.memory_gib * 2 ** 30 if a.memory_gib is not None else None
+    from .compare import find_layout, parse_find, pipeline_sizes
+    vp = a.vp if a.vp is not None else default_vp(a.schedule)
+    valid_pp = pipeline_sizes(spec, a.gpus, vp)
+    pps = _int_list(a.pp) if a.pp else valid_pp
+    bad = [p for p in pps if p not in valid_pp]
+    if bad or not pps:
+        raise ValueError(f"--pp {a.pp!r}: pipeline sizes must divide --gpus {a.gpus} with pp x vp <= "
+                         f"layers={spec.layers} (vp={vp}); valid: {', '.join(map(str, valid_pp))}")
+    find = parse_find(a.find) if a.find else None
+    skipped: list = []
     cands = recommend(spec, a.gpus, hw, None, mem, a.global_tokens, a.compute_efficiency,
-                      zero, a.cross_node_tp, a.a2a, a.allreduce)
+                      zero, a.cross_node_tp, a.a2a, a.allreduce, pps, a.schedule, vp, skipped)
     if not cands:
         raise ValueError(f"no layout of {a.gpus} GPUs divides the model (experts={spec.experts}, "
                          f"hidden={spec.hidden}, tokens={spec.tokens})")
@@ -255,18 +286,21 @@ def _recommend(a: argparse.Namespace) -> int:
     rows, data = [], []
     for i, c in enumerate((fit or cands)[: a.top], 1):
         lay, cost = c.cost.layout, c.cost
-        data.append({"rank": i, "tp": lay.tp, "sp": lay.sp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp,
+        data.append({"rank": i, "pp": lay.pp, "schedule": lay.schedule if lay.pp > 1 else None, "vp": lay.vp,
+                     "bubble_s": cost.bubble_time,
+                     "tp": lay.tp, "sp": lay.sp, "ep": lay.ep, "etp": lay.etp, "dp": lay.dp,
                      "edp": lay.edp, "zero": lay.zero, "micro_batches": cost.spec.micro_batches,
                      "tokens": cost.spec.tokens, "memory_gib": cost.memory.total / 2 ** 30, "fits": c.fits,
                      "comm_s": cost.comm_per_step, "compute_s": cost.compute_per_step,
                      "step_s": cost.step_time_overlapped, "step_no_overlap_s": cost.step_time,
                      "mfu": cost.mfu(True), "mfu_no_overlap": cost.mfu(),
                      "tokens_per_s_per_gpu": cost.tokens_per_second_per_gpu(True)})
-        rows.append({"#": i, "tp": lay.tp, "sp": "on" if lay.sp else "off", "ep": lay.ep, "etp": lay.etp,
+        rows.append({"#": i, "pp": lay.pp, "tp": lay.tp, "sp": "on" if lay.sp else "off", "ep": lay.ep, "etp": lay.etp,
                      "dp": lay.dp, "edp": lay.edp, "zero": lay.zero,
                      "micro-batches": f"{cost.spec.micro_batches} x {cost.spec.tokens}",
                      "memory": fmt_bytes(cost.memory.total), "comm": fmt_time(cost.comm_per_step),
-                     "compute": fmt_time(cost.compute_per_step), "no overlap": fmt_time(cost.step_time),
+                     "compute": fmt_time(cost.compute_per_step), "bubble": fmt_time(cost.bubble_time),
+                     "no overlap": fmt_time(cost.step_time),
                      "MFU": f"{cost.mfu(True):.1%}", "tokens/s/GPU": f"{cost.tokens_per_second_per_gpu(True):.4g}",
                      "step": fmt_time(cost.step_time_overlapped)})
     mem_text = fmt_bytes(mem or hw.memory_bytes)
@@ -274,9 +308,15 @@ def _recommend(a: argparse.Namespace) -> int:
     print(f"{len(cands)} layouts of {a.gpus} GPUs on {hw.name}; {len(fit)} fit in {mem_text} per GPU; "
           f"about {total} tokens per step; ranked by predicted step time with ideal overlap (step; "
           f"'no overlap' is the upper bound), compute at {cands[0].cost.compute_efficiency:.0%} of peak:")
+    if skipped:
+        print(f"({len(skipped)} pipelined layouts left out: their micro-batches break the {a.schedule!r} schedule's "
+              f"rule at this global batch)")
     if not fit:
         print("NONE FITS: the smallest by memory are listed; add GPUs, raise --zero or lower --tokens")
     print(format_table(rows))
+    if find is not None:
+        print()
+        print(find_layout(cands, find, a.find, skipped))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(data, f, indent=1)
@@ -296,6 +336,10 @@ def recommend_main(argv: list[str]) -> int:
     g.add_argument("--zero", default="0,1,2,3", help="ZeRO stages to consider (default 0,1,2,3)")
     g.add_argument("--cross-node-tp", action="store_true", help="also consider tp/etp > gpus per node")
     g.add_argument("--top", type=int, default=10)
+    add_pipeline_args(g, search=True)
+    g.add_argument("--find", metavar="FIELDS", help="also print where the best layout with these sizes ranks "
+                                                    "and how its step differs from the first, e.g. "
+                                                    "'pp=16,ep=64,zero=1' (fields: pp tp ep etp zero sp)")
     g.add_argument("--json", help="write the ranked rows as JSON here")
     return _guard(_recommend, p, argv)
 
@@ -309,6 +353,8 @@ def _price(a: argparse.Namespace) -> int:
     _positive_arg("--gpus", a.gpus)
     size = parse_size(a.size)
     gpn = hw.gpus_per_node
+    if a.op == "p2p" and a.gpus != 2:
+        raise ValueError(f"--gpus {a.gpus}: p2p is a transfer between 2 GPUs (--gpus 2)")
     if a.gpus > gpn and a.gpus % gpn:
         raise ValueError(f"--gpus {a.gpus} is not a whole number of nodes of --gpus-per-node {gpn}")
     pl = Placement.contiguous(a.gpus, gpn)
@@ -335,7 +381,9 @@ def price_main(argv: list[str]) -> int:
     """Predicted time, algbw and busbw of one collective, in nccl-tests' conventions (size:
     bytes per rank; busbw = algbw x 2(n-1)/n for all_reduce, (n-1)/n otherwise)."""
     p = argparse.ArgumentParser(prog="python -m moepar price", description=price_main.__doc__)
-    p.add_argument("op", choices=OPS)
+    p.add_argument("op", choices=(*OPS, "p2p"), help="a collective, or p2p: one tensor from one GPU to another "
+                                                      "(a pipeline stage boundary; --gpus 2, --gpus-per-node 1 to "
+                                                      "cross nodes)")
     p.add_argument("--size", default="1GiB", help="bytes per rank, nccl-tests' size (default 1GiB)")
     p.add_argument("--gpus", type=int, default=8)
     p.add_argument("--algo", help="algorithm (default: all_reduce auto, all_to_all pairwise, else ring)")
@@ -358,7 +406,8 @@ def _calibrate(a: argparse.Namespace) -> int:
     from .calibrate import bus_bandwidth_table, calibrate, pinned_to_core, size_sweep
     created = not (dist.is_available() and dist.is_initialized())
     sizes = size_sweep(parse_size(a.min_size), parse_size(a.max_size), a.factor)
-    ops = [o.strip() for o in a.ops.split(",")] if a.ops else list(OPS)
+    from .calibrate import CALIBRATED_OPS
+    ops = [o.strip() for o in a.ops.split(",")] if a.ops else list(CALIBRATED_OPS)
     with pinned_to_core(not a.no_pin):
         hw = calibrate(sizes, _int_list(a.group_sizes) if a.group_sizes else None, ops, a.repeats, a.warmup,
                        a.dtype, log=print)
@@ -375,14 +424,15 @@ def _calibrate(a: argparse.Namespace) -> int:
 
 def calibrate_main(argv: list[str]) -> int:
     """Measure all-reduce, all-gather, reduce-scatter, all-to-all over a size sweep and
-    group sizes on the current backend; fit and save a JSON profile. Run under torchrun."""
+    group sizes, and the point-to-point send/recv of a pipeline stage boundary between rank
+    pairs, on the current backend; fit and save a JSON profile. Run under torchrun."""
     p = argparse.ArgumentParser(prog="python -m moepar calibrate", description=calibrate_main.__doc__)
     p.add_argument("--out", default="profile.json")
     p.add_argument("--min-size", default="64K")
     p.add_argument("--max-size", default="64M")
     p.add_argument("--factor", type=float, default=2 ** 0.5, help="ratio between consecutive sizes (default sqrt 2)")
     p.add_argument("--group-sizes", help="default: 2,4,8 that divide the world")
-    p.add_argument("--ops", help=f"default: {','.join(OPS)}")
+    p.add_argument("--ops", help=f"default: {','.join(OPS)},p2p")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--dtype", default="fp32", help="fp32 bf16 fp16")
@@ -418,7 +468,8 @@ def _validate(a: argparse.Namespace) -> int:
     if a.check:
         s = res.summary()
         basis = s["median_rel_error_drift_corrected" if a.check_drift_corrected else "median_rel_error"]
-        errs = [basis.get(op) for op in ("all_reduce", "all_to_all")]
+        errs = [basis.get(op) for op in ("all_reduce", "all_to_all")] + \
+            ([basis["p2p"]] if basis.get("p2p") is not None else [])
         acc = s["pick_accuracy"]
         ok = all(e is not None and e <= a.max_median_error for e in errs) and (acc is None or acc >= a.min_pick_accuracy)
         code = 0 if ok else 1
@@ -439,7 +490,8 @@ def validate_main(argv: list[str]) -> int:
     p.add_argument("--no-pin", action="store_true", help="on CPU, do not pin rank r to core r %% cores")
     p.add_argument("--json", help="write rows and summary as JSON here")
     p.add_argument("--markdown", help="write the table as Markdown here")
-    p.add_argument("--check", action="store_true", help="exit 1 if the thresholds below are missed")
+    p.add_argument("--check", action="store_true", help="exit 1 if the thresholds below are missed (median "
+                                                         "error of all_reduce, all_to_all and, when measured, p2p)")
     p.add_argument("--max-median-error", type=float, default=0.20)
     p.add_argument("--min-pick-accuracy", type=float, default=0.90)
     p.add_argument("--check-drift-corrected", action="store_true",

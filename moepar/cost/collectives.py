@@ -23,6 +23,7 @@ network; a0 a start-up latency per collective.
     reduce_scatter
     all_to_all      pairwise      a0 + a + max((m-1)/n S / B_i, (n-m)/n S / b_x)
     all_to_all      hierarchical  a0 + a_i + (m-1)/m S / B_i + a_x + (g-1)/g S / b_x
+    p2p             direct        a0 + a_i + S / B_i (same node), a0 + a_x + S / b_x (across)
 
 with B = B_i on one node and min(B_i, m b_x) across nodes: NCCL's rings leave and enter a
 node once per ring, one ring per NIC (rails), so the g-node ring's rate is bounded by the
@@ -51,16 +52,19 @@ import math
 from typing import Mapping, Sequence
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+# "p2p": one tensor from one rank to another (a pipeline stage boundary's send/recv pair),
+# priced on a "group" of the two ranks: Placement(2, 2) inside a node, (2, 1) across nodes.
+P2P = "p2p"
 ALGOS = {"all_reduce": ("auto", "ring", "tree", "nvls"), "all_gather": ("ring",), "reduce_scatter": ("ring",),
-         "all_to_all": ("pairwise", "hierarchical")}
+         "all_to_all": ("pairwise", "hierarchical"), P2P: ("direct",)}
 DEFAULT_ALGO = {"all_reduce": "auto", "all_gather": "ring", "reduce_scatter": "ring",
-                "all_to_all": "pairwise"}
+                "all_to_all": "pairwise", P2P: "direct"}
 
 
 def check_op(op: str, algo: str | None = None) -> str:
     """Validate ``op`` (and ``algo``); return the algorithm to use."""
     if op not in ALGOS:
-        raise ValueError(f"op={op!r} is not a known collective; valid: {', '.join(OPS)}")
+        raise ValueError(f"op={op!r} is not a known collective; valid: {', '.join(ALGOS)}")
     algo = DEFAULT_ALGO[op] if algo is None else algo
     if algo not in ALGOS[op]:
         raise ValueError(f"algo={algo!r} is not valid for {op}; valid: {', '.join(ALGOS[op])}")
@@ -68,10 +72,13 @@ def check_op(op: str, algo: str | None = None) -> str:
 
 
 def bus_factor(op: str, n: int) -> float:
-    """nccl-tests' busbw / algbw factor: 2(n-1)/n for all-reduce, (n-1)/n otherwise."""
+    """nccl-tests' busbw / algbw factor: 2(n-1)/n for all-reduce, (n-1)/n otherwise (1 for a
+    point-to-point transfer: the sender sends its whole tensor, as nccl-tests' sendrecv)."""
     check_op(op)
     if n < 1:
         raise ValueError(f"group size n={n} must be >= 1")
+    if op == P2P:
+        return 1.0
     return 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
 
 
@@ -177,6 +184,8 @@ def _algo_time(op: str, algo: str, placement: Placement, S: float, intra: Link, 
         return a0 + 2 * steps + 2 * S / B
     if op == "all_reduce":                       # nvls: the NVSwitch reduces and multicasts
         return a0 + 2 * a_i + S / nvls_algbw
+    if op == P2P:                                # one message, on NVLink or on this GPU's NICs
+        return a0 + (a_x + S / b_x if g > 1 else a_i + S / b_i)
     if op in ("all_gather", "reduce_scatter"):
         return a0 + (n - 1 - (g - 1)) * a_i + (g - 1) * a_x + (n - 1) / n * S / B
     if algo == "pairwise":                       # every peer at once: one latency
@@ -249,6 +258,7 @@ FORMULAS = {
     ("reduce_scatter", "ring"): "(n-1)/n·S / min(B_i, m·b_x) + intra and inter steps·a",
     ("all_to_all", "pairwise"): "max((m-1)/n·S / B_i, (n-m)/n·S / b_x) + a",
     ("all_to_all", "hierarchical"): "(m-1)/m·S / B_i + (g-1)/g·S / b_x + a_i + a_x",
+    (P2P, "direct"): "S / B_i + a_i (one node), S / b_x + a_x (across nodes)",
 }
 
 

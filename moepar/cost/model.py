@@ -17,6 +17,7 @@ negligible. A rank's expert FLOPs are 6·R·P_e: its experts' work on the routes
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 from .. import checks
@@ -24,9 +25,9 @@ from ..moe.dedup_policy import DEDUP_MAX_FRACTION   # the layer's "auto" thresho
 from ..parallel.layout import Layout
 from .architectures import presets
 from .collectives import Placement
+from .schedules import check_pipeline
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
-ADAM_BYTES_PER_PARAM = 12   # fp32 master weights + Adam m and v (ZeRO paper's K = 12)
 
 MODELS = presets()   # public model shapes for ``--model``, from their config.json fields
 
@@ -71,6 +72,7 @@ class MoESpec:
     dedup: str = "auto"                    # one dispatch row per token and EP rank: auto | on | off
     dispatch_dtype: str | None = None      # dispatch all-to-alls' rows (default: fp8 for dtype fp8, else dtype)
     combine_dtype: str | None = None       # combine all-to-alls' rows (default: bf16 for dtype fp8, else dtype)
+    combine_grad_dtype: str | None = None  # "fp8": the combine's gradient too (MoEConfig.combine_grad_dtype)
     # -- real architectures (moepar.cost.architectures reads them from a HF config.json) --
     dense_layers: int = 0                  # of ``layers``, blocks with a dense FFN (first-k dense, sparse step)
     dense_ffn: int | None = None           # their FFN width (default: ffn)
@@ -97,6 +99,10 @@ class MoESpec:
     aux_scope: str = "local"               # local | global (over data parallelism, moepar.MoE's option)
     clip_grad: bool = False                # the global gradient norm: a scalar per group
     loss_allreduce: bool = False           # the step's loss averaged over dp (logging)
+    # -- pipeline stages (moepar.cost.pipeline): which blocks are MoE, which ends a stage holds --
+    moe_layer_ids: tuple[int, ...] | None = None   # the MoE blocks' indices (None: the dense ones first)
+    first_stage: bool = True               # holds the input embedding (and position table)
+    last_stage: bool = True                # holds the final norm, the output layer and the loss
 
     def __post_init__(self) -> None:
         _positive(hidden=self.hidden, ffn=self.ffn, experts=self.experts, topk=self.topk,
@@ -111,6 +117,9 @@ class MoESpec:
             v = getattr(self, name)
             if (v is not None or name == "dtype") and v not in DTYPE_BYTES:
                 raise ValueError(f"{name}={v!r} is not known; valid: {', '.join(DTYPE_BYTES)}")
+        if self.combine_grad_dtype not in (None, "fp8"):
+            raise ValueError(f"combine_grad_dtype={self.combine_grad_dtype!r} must be None or 'fp8' "
+                             f"(the layer's combine_grad_dtype options)")
         if self.capacity_factor is not None and not self.capacity_factor > 0:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
         if not self.imbalance >= 1.0:
@@ -136,6 +145,16 @@ class MoESpec:
             raise ValueError(f"hidden={self.hidden} is not divisible by heads={self.heads} (or give head_dim)")
         if self.kv_heads is not None and (self.heads is None or self.heads % self.kv_heads):
             raise ValueError(f"heads={self.heads} must be given and divisible by kv_heads={self.kv_heads}")
+        ids = self.moe_layer_ids
+        if ids is not None and (len(set(ids)) != self.moe_layers or not all(0 <= i < self.layers for i in ids)):
+            raise ValueError(f"moe_layer_ids={ids} must name {self.moe_layers} distinct blocks in "
+                             f"0..{self.layers - 1} (layers={self.layers} minus dense_layers={self.dense_layers})")
+
+    def is_moe(self, layer: int) -> bool:
+        """Block ``layer`` has an MoE FFN (``moe_layer_ids``, or every block after the dense ones)."""
+        if self.moe_layer_ids is not None:
+            return layer in self.moe_layer_ids
+        return layer >= self.dense_layers
 
     @property
     def b(self) -> int:
@@ -168,7 +187,9 @@ class MoESpec:
 
 @dataclasses.dataclass(frozen=True)
 class CostLayout:
-    """How ``gpus`` ranks are used: tp x dp for dense layers, etp x ep x edp for experts."""
+    """How ``gpus`` ranks are used: ``pp`` pipeline stages of consecutive ranks (the pipeline
+    outermost, Megatron's order), each stage tp x dp for dense layers and etp x ep x edp for
+    experts; ``vp`` stages per rank and the torch ``schedule`` that runs them."""
 
     gpus: int
     gpus_per_node: int = 8
@@ -177,48 +198,61 @@ class CostLayout:
     etp: int = 1
     sp: bool = False
     zero: int = 0
+    pp: int = 1
+    vp: int = 1
+    schedule: str = "1f1b"
 
     def __post_init__(self) -> None:
-        _positive(gpus=self.gpus, gpus_per_node=self.gpus_per_node, tp=self.tp, ep=self.ep, etp=self.etp)
+        _positive(gpus=self.gpus, gpus_per_node=self.gpus_per_node, tp=self.tp, ep=self.ep, etp=self.etp,
+                  pp=self.pp, vp=self.vp)
+        check_pipeline(self.pp, self.vp, self.schedule)
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
             raise ValueError(f"gpus={self.gpus} is not a whole number of nodes of "
                              f"gpus_per_node={self.gpus_per_node}")
-        if self.gpus % self.tp:
-            raise ValueError(f"gpus={self.gpus} is not divisible by tp={self.tp}; "
-                             f"valid tp: {', '.join(map(str, divisors(self.gpus)))}")
-        if self.gpus % (self.ep * self.etp):
-            valid = [d for d in divisors(self.gpus // self.etp) if self.gpus % (d * self.etp) == 0]
-            hint = (f"valid ep with etp={self.etp}: {', '.join(map(str, valid))}" if self.gpus % self.etp == 0
-                    else f"etp={self.etp} itself does not divide gpus; valid etp: "
-                         f"{', '.join(map(str, divisors(self.gpus)))}")
-            raise ValueError(f"gpus={self.gpus} is not divisible by ep x etp = {self.ep} x {self.etp}; {hint}")
+        if self.gpus % self.pp:
+            raise ValueError(f"gpus={self.gpus} is not divisible by pp={self.pp}: every pipeline stage needs "
+                             f"the same number of GPUs; valid pp: {', '.join(map(str, divisors(self.gpus)))}")
+        n, where = self.stage_size, ("gpus" if self.pp == 1 else "stage_size (gpus / pp)")
+        if n % self.tp:
+            raise ValueError(f"{where}={n} is not divisible by tp={self.tp}; "
+                             f"valid tp: {', '.join(map(str, divisors(n)))}")
+        if n % (self.ep * self.etp):
+            valid = [d for d in divisors(n // self.etp) if n % (d * self.etp) == 0]
+            hint = (f"valid ep with etp={self.etp}: {', '.join(map(str, valid))}" if n % self.etp == 0
+                    else f"etp={self.etp} itself does not divide {where}; valid etp: "
+                         f"{', '.join(map(str, divisors(n)))}")
+            raise ValueError(f"{where}={n} is not divisible by ep x etp = {self.ep} x {self.etp}; {hint}")
+
+    @property
+    def stage_size(self) -> int:
+        """GPUs of one pipeline stage (all of them when pp = 1)."""
+        return self.gpus // self.pp
 
     @property
     def dp(self) -> int:
-        return self.gpus // self.tp
+        return self.stage_size // self.tp
 
     @property
     def edp(self) -> int:
-        return self.gpus // (self.ep * self.etp)
+        return self.stage_size // (self.ep * self.etp)
 
     @property
     def nodes(self) -> int:
         return max(1, self.gpus // self.gpus_per_node)
 
     def size(self, kind: str) -> int:
+        """Ranks of a group of this kind; "world" is the ranks sharing a stage's layers (one
+        pipeline stage: every group but the pipeline's lies inside one)."""
         return {"tp": self.tp, "dp": self.dp, "ep": self.ep, "etp": self.etp, "edp": self.edp,
-                "moe": Layout(self.gpus, self.tp, self.ep, self.etp).moe, "world": self.gpus}[kind]
+                "moe": math.lcm(self.tp, self.ep * self.etp), "world": self.stage_size, "pp": self.pp}[kind]
 
     def placement(self, kind: str) -> Placement:
-        """Where the first group of this kind sits (``moepar.parallel.groups`` rank order)."""
+        """Where the first group of this kind sits (``moepar.parallel.layout`` rank order)."""
         if self.size(kind) == 1:
             return Placement(1, 1)
-        if kind == "world":
-            return Placement.contiguous(self.gpus, self.gpus_per_node)
-        ranks = Layout(self.gpus, self.tp, self.ep, self.etp).all_groups()[kind][0]
-        return Placement.of_ranks(ranks, self.gpus_per_node)
+        return _placement(self.gpus, self.gpus_per_node, self.tp, self.ep, self.etp, self.pp, kind)
 
     def warnings(self) -> list[str]:
         out = []
@@ -229,9 +263,18 @@ class CostLayout:
         return out
 
     def describe(self) -> str:
+        pipe = "" if self.pp == 1 else f" | pp={self.pp} {self.schedule}" + (f" vp={self.vp}" if self.vp > 1 else "")
         return (f"{self.gpus} GPUs ({self.nodes} node(s) x {min(self.gpus, self.gpus_per_node)}): "
                 f"tp={self.tp} dp={self.dp} | ep={self.ep} etp={self.etp} edp={self.edp} | "
-                f"sp={'on' if self.sp else 'off'} zero={self.zero}")
+                f"sp={'on' if self.sp else 'off'} zero={self.zero}{pipe}")
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement(gpus: int, gpus_per_node: int, tp: int, ep: int, etp: int, pp: int, kind: str) -> Placement:
+    if kind == "world":
+        return Placement.contiguous(gpus // pp, gpus_per_node)
+    ranks = Layout(gpus, tp, ep, etp, pp).all_groups()[kind][0]
+    return Placement.of_ranks(ranks, gpus_per_node)
 
 
 def check_fits(spec: MoESpec, layout: CostLayout) -> None:
@@ -335,9 +378,13 @@ def count_params(spec: MoESpec, layout: CostLayout) -> Params:
     Fd = spec.dense_ffn or spec.ffn
     dense_ffn = spec.mats * D * Fd + ((up * Fd + D) if spec.mlp_bias else 0)
     dense_ffn_rank = (dense_ffn - D * spec.mlp_bias) // tp + D * spec.mlp_bias   # row bias replicated
-    input_embedding = spec.vocab * D
-    embeddings = input_embedding * (1 if spec.tie_embeddings else 2) + spec.pos_embeddings * D
-    final_norm = norm if spec.vocab else 0
+    # A pipeline stage holds the input table (and positions) if first, the output layer if
+    # last; tied tables are one tensor only where one stage holds both ends.
+    input_embedding = spec.vocab * D if spec.first_stage else 0
+    pos = spec.pos_embeddings * D if spec.first_stage else 0
+    output = spec.vocab * D if spec.last_stage and not (spec.tie_embeddings and spec.first_stage) else 0
+    embeddings = input_embedding + output + pos
+    final_norm = norm if spec.vocab and spec.last_stage else 0
     blocks = n_l * (attention + norms) + dense_l * dense_ffn
     total = blocks + moe_l * (router + shared + spec.experts * expert) + embeddings + final_norm
     active = blocks + moe_l * (router + shared + spec.topk * expert) + embeddings + final_norm
@@ -346,7 +393,7 @@ def count_params(spec: MoESpec, layout: CostLayout) -> Params:
     attention_rank = (attention - attn_replicated) // tp + attn_replicated
     dense_rank = (n_l * (attention_rank + norms) + dense_l * dense_ffn_rank
                   + moe_l * (router + (shared - gate) // tp + gate)
-                  + (embeddings - spec.pos_embeddings * D) // tp + spec.pos_embeddings * D + final_norm)
+                  + (embeddings - pos) // tp + pos + final_norm)
     expert_rank = moe_l * (spec.experts // layout.ep) * (expert // layout.etp)
     return Params(attention, router, norms, expert, shared, embeddings, final_norm, total, active,
                   dense_rank, expert_rank, dense_ffn, input_embedding, mtp)
@@ -402,96 +449,6 @@ def imbalance_from_counts(tokens_per_expert, ep: int) -> float:
     return max(loads) / mean
 
 
-# ---- FLOPs ------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Flops:
-    """Training FLOPs (forward + backward) per micro-batch unless named per step."""
-
-    per_token: float             # model FLOPs per token: 6·N_active_matmul (+ attention scores)
-    model: float                 # all replicas, one micro-batch: per_token · T · dp
-    rank_mean: float             # one rank, balanced routing
-    rank_max: float              # the most loaded rank (imbalance, padding)
-    rank_expert_max: float
-    deepspeed_style: float       # rank_max · mp_size(tp) · dp: DeepSpeed profiler's scaling
-    per_step_rank_max: float
-
-
-def count_flops(spec: MoESpec, layout: CostLayout, params: Params | None = None,
-                routes: Routes | None = None) -> Flops:
-    p = params or count_params(spec, layout)
-    r = routes or routes_per_rank(spec, layout)
-    D, n_l, moe_l, T, tp = spec.hidden, spec.layers, spec.moe_layers, spec.tokens, layout.tp
-    lm_head = spec.vocab * D
-    # QK^T and AV, fwd + bwd: 6·seq·H·(qk + v) per token and layer (12·seq·D for plain MHA)
-    if spec.kv_lora_rank is not None:
-        qk_v = spec.heads * (spec.qk_nope_dim + spec.qk_rope_dim + spec.v_head_dim)
-    else:
-        qk_v = 2 * spec.heads * spec.hd if spec.heads else 2 * D
-    score = 6 * n_l * spec.seq_len * qk_v if spec.seq_len else 0
-    dense_blocks = n_l * p.attention + spec.dense_layers * p.dense_ffn
-    per_token = 6 * (dense_blocks + moe_l * (p.router + p.shared + spec.topk * p.expert) + lm_head) + score
-    # Dense work: every TP rank multiplies the group's T tokens by 1/tp of the weights; the
-    # router is replicated, on T tokens (T/tp with sequence parallelism).
-    t_router = T // tp if layout.sp else T
-    dense = (6 * T * (dense_blocks + moe_l * p.shared + lm_head) / tp + 6 * t_router * moe_l * p.router
-             + score * T / tp)
-    expert_mean = 6 * r.mean * moe_l * p.expert
-    expert_max = 6 * r.max * moe_l * p.expert
-    rank_max = dense + expert_max
-    return Flops(per_token, per_token * T * layout.dp, dense + expert_mean, rank_max, expert_max,
-                 rank_max * tp * layout.dp, rank_max * spec.micro_batches)
-
-
-# ---- memory ------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Memory:
-    """Bytes per rank: weights, gradients, optimizer state (ZeRO-sharded), activations."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
-
-
-def activation_bytes(spec: MoESpec, layout: CostLayout, routes: Routes | None = None) -> float:
-    """Activations kept for backward, one micro-batch, all layers, no recomputation, flash
-    attention (no T x T scores). An estimate: it counts the tensors named below."""
-    r = routes or routes_per_rank(spec, layout)
-    D, T, tp, b = spec.hidden, spec.tokens, layout.tp, spec.b
-    t_sp = T // tp if layout.sp else T           # tokens of a replicated [T, D] tensor on this rank
-    kv_dim = (spec.kv_heads or spec.heads or 1) * (D // (spec.heads or 1)) if spec.heads else D
-    attn = (2 * t_sp * D                          # two norm inputs (residual stream)
-            + t_sp * D                            # QKV input
-            + T * (D + 2 * kv_dim) // tp          # Q, K, V
-            + T * D // tp) * b                    # attention context (o-proj input)
-    router = t_sp * spec.experts * 4 * 2          # fp32 logits and probabilities
-    # Expert rows: the (all-gathered, with etp) dispatched input etp·R x D; the hidden
-    # gate/up outputs and activation (3F gated, 2F plain, sliced F/etp over etp·R rows);
-    # the expert outputs R x D, kept for the routing-weight gradient.
-    experts = (layout.etp * r.max * D + r.max * spec.mats * spec.ffn + r.max * D) * b
-    shared = spec.shared_experts * (t_sp * D + T * spec.mats * spec.fs // tp) * b
-    return spec.layers * attn + spec.moe_layers * (router + experts + shared)   # dense FFNs: not listed
-
-
-def memory_per_rank(spec: MoESpec, layout: CostLayout, params: Params | None = None,
-                    routes: Routes | None = None, param_bytes: int | None = None) -> Memory:
-    """ZeRO stage 1 shards optimizer state, 2 also gradients, 3 also weights: dense over dp,
-    experts over edp (expert-data-parallel replicas)."""
-    p = params or count_params(spec, layout)
-    pb = spec.b if param_bytes is None else param_bytes
-    z = layout.zero
-    dense_w = p.dense_rank / (layout.dp if z >= 3 else 1)
-    exp_w = p.expert_rank / (layout.edp if z >= 3 else 1)
-    dense_g = p.dense_rank / (layout.dp if z >= 2 else 1)
-    exp_g = p.expert_rank / (layout.edp if z >= 2 else 1)
-    dense_o = p.dense_rank / (layout.dp if z >= 1 else 1)
-    exp_o = p.expert_rank / (layout.edp if z >= 1 else 1)
-    return Memory((dense_w + exp_w) * pb, (dense_g + exp_g) * pb,
-                  (dense_o + exp_o) * ADAM_BYTES_PER_PARAM,
-                  activation_bytes(spec, layout, routes))
+# FLOPs and memory live in compute.py; their names stay importable from here.
+from .compute import (ADAM_BYTES_PER_PARAM, Flops, Memory, activation_bytes, count_flops,  # noqa: E402,F401
+                      memory_per_rank)

@@ -43,9 +43,12 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
                               cost.memory, cost.routes)
     L, mb = s.layers, s.micro_batches
 
+    def nodes(c):   # a stage boundary spans the two ranks' nodes, a group its placement's
+        return (2 if "(network)" in c.name else 1) if c.op in ("send", "recv") else lay.placement(c.group).nodes
+
     def calls(cs):
         return [{"name": c.name, "phase": c.phase, "op": c.op, "algo": c.algo, "group": c.group,
-                 "group_size": c.group_size, "nodes": lay.placement(c.group).nodes, "bytes": c.nbytes,
+                 "group_size": c.group_size, "nodes": nodes(c), "bytes": c.nbytes,
                  "formula": c.formula, "sent_bytes": c.sent, "count": c.count, "seconds": c.seconds,
                  "per": c.per} for c in cs]
 
@@ -91,11 +94,14 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
         "memory": {"weights": m.weights, "grads": m.grads, "optimizer": m.optimizer,
                    "activations": m.activations, "total": m.total, "capacity": hw.memory_bytes, "fits": cost.fits},
         "layer_collectives": calls(cost.layer), "step_collectives": calls(cost.step),
+        "p2p": calls(cost.p2p), "pipeline": _pipeline_data(cost),
         "time": {"layer_fwd": by_phase["fwd"], "layer_bwd": by_phase["bwd"], "layer": cost.comm_per_layer,
                  "comm_per_step": cost.comm_per_step, "compute_per_step": cost.compute_per_step,
                  "step": cost.step_time, "step_overlapped": cost.step_time_overlapped,
                  "grad_reduction": cost.grad_reduction, "hidden_grad_reduction": cost.hidden_grad_reduction,
                  "hidden_shared_experts": cost.hidden_shared_experts,
+                 "bubble": cost.bubble_time, "p2p_per_step": cost.p2p_per_microbatch * mb,
+                 "hidden_p2p": cost.hidden_p2p, "microbatch": cost.microbatch_time,
                  "compute_efficiency": cost.compute_efficiency, "layers": L, "micro_batches": mb,
                  "tokens_per_step": cost.tokens_per_step,
                  "mfu": cost.mfu(), "mfu_overlapped": cost.mfu(True),
@@ -107,6 +113,33 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
                                 "TP 4 all-reduces of n·t·D·b, per layer per step"},
         "notes": [DEEPSPEED_NOTE],
     }
+
+
+def _pipeline_data(cost: StepCost) -> dict | None:
+    info = cost.pipeline
+    if info is None:
+        return None
+    return {"schedule": info.schedule, "pp": info.pp, "vp": info.vp, "micro_batches": info.micro_batches,
+            "bubble_units": info.bubble_units, "bubble_fraction": info.bubble_fraction,
+            "model_layers": info.model_layers, "critical_stage": info.critical_stage, "memory_stage": info.memory_stage,
+            "stages": [vars(s) for s in info.stages]}
+
+
+def _pipeline_rows(rep: dict) -> list[tuple[str, list[dict]]]:
+    pipe = rep["pipeline"]
+    if pipe is None:
+        return []
+    rows = [{"stage": s["stage"], "blocks (MoE)": f"{s['layers']} ({s['moe_layers']})",
+             "ends": "+".join(e for e, on in (("embedding", s["first"]), ("head+loss", s["last"])) if on) or "-",
+             "activations kept (micro-batches)": f"{s['in_flight']:.3g}", "t_mb": fmt_time(s["microbatch_time"]),
+             "memory": fmt_bytes(s["memory"]), "sends+recvs per micro-batch": s["p2p_calls"],
+             "": " ".join(w for w, on in (("slowest", s["stage"] == pipe["critical_stage"]),
+                                          ("most memory", s["stage"] == pipe["memory_stage"])) if on)}
+            for s in pipe["stages"]]
+    title = (f"Pipeline stages ({pipe['schedule']}, pp={pipe['pp']}, vp={pipe['vp']}, m={pipe['micro_batches']}: "
+             f"bubble {pipe['bubble_units']:.4g} x t_mb = {pipe['bubble_fraction']:.1%} of the step; "
+             f"the figures above are the slowest stage's, memory the largest stage's)")
+    return [(title, rows)]
 
 
 def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
@@ -135,6 +168,9 @@ def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
          "value": f"{fmt_time(T['layer_fwd'])} / {fmt_time(T['layer_bwd'])}"},
         {"quantity": f"per step: comm / compute (at {T['compute_efficiency']:.0%} of peak) / total, no overlap",
          "value": f"{fmt_time(T['comm_per_step'])} / {fmt_time(T['compute_per_step'])} / {fmt_time(T['step'])}"},
+        *([{"quantity": "pipeline: bubble / stage-boundary transfers per step (p2p hidden with overlap)",
+            "value": f"{fmt_time(T['bubble'])} / {fmt_time(T['p2p_per_step'])} ({fmt_time(T['hidden_p2p'])})"}]
+          if rep["pipeline"] else []),
         {"quantity": "per step, ideal overlap (dp gradients behind backward, shared experts behind all-to-all)",
          "value": f"{fmt_time(T['step_overlapped'])} (hides {fmt_time(T['hidden_grad_reduction'])} of "
                   f"{fmt_time(T['grad_reduction'])} gradient reduction, {fmt_time(T['hidden_shared_experts'])} "
@@ -160,6 +196,9 @@ def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
     return [("Summary", summary),
             ("Collectives per layer and micro-batch (most loaded rank)", call_rows(rep["layer_collectives"])),
             ("Collectives per step (data parallel)", call_rows(rep["step_collectives"])),
+            *([("Point-to-point per micro-batch (pipeline stage boundaries of the slowest stage)",
+                call_rows(rep["p2p"]))] if rep["p2p"] else []),
+            *_pipeline_rows(rep),
             (f"EP vs TP for this FFN (t={rep['ep_vs_tp']['tokens']} per GPU, D={rep['ep_vs_tp']['hidden']}, "
              f"K={rep['ep_vs_tp']['topk']}; {rep['ep_vs_tp']['counted']})", cmp_rows)]
 
@@ -167,7 +206,7 @@ def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
 def _header(rep: dict) -> list[str]:
     m, hw = rep["model"], rep["hardware"]
     lines = [f"model: D={m['hidden']} F={m['ffn']} E={m['experts']} K={m['topk']} T={m['tokens']} "
-             f"{m['dtype']} layers={m['layers']} "
+             f"{m['dtype']} layers={rep['pipeline']['model_layers'] if rep['pipeline'] else m['layers']} "
              + ("dropless" if m["capacity_factor"] is None else f"capacity factor {m['capacity_factor']}")
              + (f" shared experts={m['shared_experts']}" if m["shared_experts"] else "")
              + (f" imbalance={m['imbalance']:.3g}" if m["imbalance"] != 1 else ""),
@@ -272,9 +311,18 @@ def measured_vs_predicted(spec: MoESpec, layout: CostLayout, hardware: Hardware,
         row["calls"] += 1
         row["bytes"] += e.nbytes
         row["measured"] += e.seconds
-        row["predicted"] += hardware.collective_time(e.op, _placement_for(layout, e.group_size), e.nbytes)
-    cost = step_cost(spec, layout, hardware)
-    for c in cost.layer + cost.step:
+        if e.op in ("send", "recv"):   # a stage boundary: priced as the worst link it may cross
+            pl = Placement(2, 1) if layout.stage_size >= layout.gpus_per_node else Placement(2, 2)
+            row["predicted"] += hardware.collective_time("p2p", pl, e.nbytes)
+        else:
+            row["predicted"] += hardware.collective_time(e.op, _placement_for(layout, e.group_size), e.nbytes)
+    if layout.pp > 1:   # rank 0's stage (the first)
+        from .pipeline import stage_cost
+        cost = stage_cost(spec, layout, hardware, 0)
+        spec = cost.spec
+    else:
+        cost = step_cost(spec, layout, hardware)
+    for c in cost.layer + cost.step + list(cost.p2p):
         k = calls_per_step(c, spec) * steps
         phase = c.phase if c.phase != "step" else "fwd"   # issued after backward, outside autograd
         row = agg.setdefault((c.op, c.group_size, phase), {"calls": 0, "bytes": 0.0, "measured": 0.0,

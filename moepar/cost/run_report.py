@@ -12,6 +12,11 @@ is that measurement: the rows this rank's experts were given, summed over the ru
 layer calls; it sets the bytes of the combine all-to-all (forward) and of the dispatch
 gradient all-to-all (backward), both of which send back the rows received. Everything else
 is the model's own arithmetic.
+
+With pipeline stages (``layout.pp > 1``) a rank reports its own stage (``pipeline_stage``):
+the blocks it holds (the runtime splits them evenly over the stages), its stage's groups, and
+its point-to-point sends and receives (op "send"/"recv", group size pp; activations forward,
+their gradients backward), counted like every collective.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ from typing import Iterable
 
 from ..tables import format_table
 from .accounting import calls_per_step, step_cost
+from .pipeline import check_stages, stage_cost
 from .hardware import Hardware
 from .model import CostLayout, MoESpec, dedup_fraction
 from .units import fmt_bytes, fmt_time
@@ -42,12 +48,16 @@ class RunRow:
 
 
 def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: Iterable, steps: int,
-                received_rows: int | None = None) -> list[RunRow]:
+                received_rows: int | None = None, pipeline_stage: int = 0) -> list[RunRow]:
     """Rows of (op, group size, phase): the run's calls, bytes and seconds beside the model's
     for ``steps`` steps. The spec is priced as routed (``imbalance`` is ignored: the send side
-    is the rank's own routes, the receive side ``received_rows``)."""
+    is the rank's own routes, the receive side ``received_rows``); with pipeline stages, as
+    the blocks and boundaries of ``pipeline_stage``, this rank's stage."""
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
+    if not (isinstance(pipeline_stage, int) and 0 <= pipeline_stage < layout.pp):
+        raise ValueError(f"pipeline_stage={pipeline_stage!r} must be a stage index in 0..{layout.pp - 1} "
+                         f"(pp={layout.pp})")
     spec = spec.replace(imbalance=1.0)
     rows: dict[tuple, RunRow] = {}
 
@@ -60,9 +70,14 @@ def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: I
         r.nbytes += e.nbytes
         r.seconds += e.seconds
         r.wait_seconds += e.wait_seconds
-    cost = step_cost(spec, layout, hardware)
+    if layout.pp > 1:
+        check_stages(spec, layout, even=True)
+        cost = stage_cost(spec, layout, hardware, pipeline_stage)
+        spec = cost.spec   # the stage's blocks: per-layer calls count over them
+    else:
+        cost = step_cost(spec, layout, hardware)
     exact_rows = received_rows is not None and dedup_fraction(spec, layout) is None and layout.etp == 1
-    for c in cost.layer + cost.step:
+    for c in cost.layer + cost.step + list(cost.p2p):
         k = calls_per_step(c, spec) * steps
         r = row(c.op, c.group_size, "fwd" if c.phase == "step" else c.phase)
         r.model_calls += k

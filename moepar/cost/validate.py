@@ -22,9 +22,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from .calibrate import (DTYPES, Buffers, MiB, collective_fn, device, ensure_process_group, load_average,
-                        make_groups, midpoints, size_sweep, time_interleaved)
-from .collectives import OPS, Placement
+from .calibrate import (CALIBRATED_OPS, DTYPES, Buffers, MiB, collective_fn, device, ensure_process_group,
+                        load_average, make_groups, midpoints, op_group_sizes, size_sweep, time_interleaved)
+from .collectives import P2P, Placement
 from .hardware import Hardware, machine_description, utc_now
 
 PICK_MARGIN = 0.15   # EP-vs-TP cases count for the pick accuracy when measured times differ more
@@ -142,9 +142,11 @@ def _rows(ctx: ValidationContext, source: str, items: list[tuple[str, str, str, 
 
 
 def collective_rows(ctx: ValidationContext) -> list[Row]:
+    """The collectives, and the point-to-point pair where the profile measured one."""
     elem = ctx.bufs.elem
+    ops = [op for op in CALIBRATED_OPS if op != P2P or (P2P, 2) in ctx.hardware.curves]
     items = [(f"{op} n={n}", "", op, n, _aligned(s, n, elem))
-             for op in OPS for n in ctx.group_sizes for s in ctx.sizes]
+             for op in ops for n in op_group_sizes(op, ctx.group_sizes) for s in ctx.sizes]
     return _rows(ctx, "collective", items)
 
 
