@@ -1,6 +1,7 @@
 """The example's end-of-run report: for every op (and group size, phase) the calls and bytes
-the run recorded equal the cost model's, on 4 gloo ranks and three layouts, one of them with
-the peer-wait barriers (which must not count as collectives)."""
+the run recorded equal the cost model's, on 4 gloo ranks and five layouts, one of them with
+the peer-wait barriers (which must not count as collectives), one with pipeline stages (the
+point-to-point sends and receives too)."""
 import dataclasses
 
 import pytest
@@ -31,13 +32,16 @@ def _report_rows(argv):
 @pytest.mark.parametrize("layout", [["--tp", "2", "--ep", "2"],
                                     ["--tp", "2", "--ep", "1", "--moe-every", "2", "--z-loss-coeff", "0"],
                                     ["--tp", "1", "--ep", "4", "--moe-every", "2", "--time-peer-wait"],
-                                    ["--tp", "2", "--ep", "2", "--dispatch-dtype", "fp8"]])
+                                    ["--tp", "2", "--ep", "2", "--dispatch-dtype", "fp8"],
+                                    ["--tp", "1", "--ep", "2", "--pp", "2", "--microbatches", "2"]])
 def test_every_op_matches_the_model(tmp_path, layout):
     argv = TINY + ["--steps", "2", "--hardware", "h100", "--out", str(tmp_path), *layout]
     rows = run_ranks(_report_rows, 4, argv)[0]
     assert rows, "rank 0 printed no cost report"
     ops = {r["op"] for r in rows}
     assert "all_reduce" in ops and (layout[3] == "1" or "all_to_all" in ops)
+    if "--pp" in layout:   # stage 0's activations out, their gradients in, counted like the rest
+        assert {("send", "fwd"), ("recv", "bwd")} <= {(r["op"], r["phase"]) for r in rows}, rows
     for r in rows:
         assert (r["calls"], r["nbytes"]) == (r["model_calls"], r["model_bytes"]), r
         assert r["model_seconds"] > 0
