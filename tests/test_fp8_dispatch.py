@@ -101,15 +101,21 @@ LAYOUTS = [((1, 2, 1), {}), ((2, 2, 1), dict(num_shared_experts=1)), ((1, 2, 2),
            ((1, 2, 1), dict(num_experts=8, dedup="on"))]
 
 
+def _same_numbers(r):
+    """The FP8 layer's output and every gradient equal the reference's; its events back."""
+    y8, dx8, g8, ev8, form = r["fp8"]
+    yr, dxr, gr, evr, _ = r["reference"]
+    torch.testing.assert_close(y8, yr, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(dx8, dxr, atol=1e-6, rtol=1e-6)
+    for a, b in zip(g8, gr):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    return ev8, evr, form
+
+
 @pytest.mark.parametrize("layout,kw", LAYOUTS)
 def test_fp8_layer_equals_experts_on_quantized_rows(layout, kw):
     for r in run_ranks(_layer_pair, 4, *layout, kw, torch.float32):
-        y8, dx8, g8, ev8, form = r["fp8"]
-        yr, dxr, gr, evr, _ = r["reference"]
-        torch.testing.assert_close(y8, yr, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(dx8, dxr, atol=1e-6, rtol=1e-6)
-        for a, b in zip(g8, gr):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        ev8, evr, form = _same_numbers(r)
         # the dispatch all-to-all: D + 4 bytes a row (one scale block) where fp32 sends 4·D
         fwd8, fwdr = [n for n, bwd in ev8 if not bwd], [n for n, bwd in evr if not bwd]
         D = moe_ref.D
@@ -122,12 +128,7 @@ def test_fp8_combine_gradient_equals_experts_on_quantized_gradient(layout, kw):
     """``combine_grad_dtype="fp8"``: the gradient reaching the experts is the quantize-dequantize
     of the combined rows' gradient; the combine's backward all-to-all carries FP8 rows."""
     for r in run_ranks(_layer_pair, 4, *layout, kw, torch.float32, True):
-        y8, dx8, g8, ev8, form = r["fp8"]
-        yr, dxr, gr, evr, _ = r["reference"]
-        torch.testing.assert_close(y8, yr, atol=1e-6, rtol=1e-6)
-        torch.testing.assert_close(dx8, dxr, atol=1e-6, rtol=1e-6)
-        for a, b in zip(g8, gr):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+        ev8, evr, form = _same_numbers(r)
         bwd8, bwdr = [n for n, bwd in ev8 if bwd], [n for n, bwd in evr if bwd]
         D = moe_ref.D
         assert bwd8[0] * 4 * D == bwdr[0] * fp8.row_bytes(D), (bwd8, bwdr, form)   # the combine's grad

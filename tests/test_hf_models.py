@@ -19,19 +19,7 @@ MODELS = ["mixtral", "qwen3_moe", "deepseek_v3"]
 
 
 def _model(family: str, seed: int = 0):
-    tr = hf_cases.import_transformers()
-    cfg = hf_cases.config(family)
-    cfg.num_hidden_layers = 2
-    torch.manual_seed(seed)
-    model = tr.AutoModelForCausalLM.from_config(cfg).float().eval()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():   # the experts' weights are torch.empty until loaded: draw them all
-        for _, t in sorted(model.named_parameters()):
-            t.copy_(torch.randn(t.shape, generator=gen) * 0.2)
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
-    return model
+    return hf_cases.model(family, seed, num_hidden_layers=2)
 
 
 def _logits_and_grad(model, ids):

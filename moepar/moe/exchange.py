@@ -163,6 +163,17 @@ def _start_rows(call: Call, x: torch.Tensor, recv, send):
     return comm.all_to_all_start(x, call.topo.ep_group, recv, send, stats=call.stats, empty=cpu.empty)
 
 
+def _send_routes(call: Call, r: "Routes", plan: Plan):
+    """Steps 4-5 for one row per route: permute the routes expert-major and start their
+    all-to-all; with FP8 dispatch the permute quantizes in the same pass. Returns
+    (rows in flight, pending, row_map_TK)."""
+    if call.fp8 and call.topo.ep > 1:
+        return fp8.permute_all_to_all_start(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                            sum(plan.send), call.topo.ep_group, plan.recv, plan.send, call.stats)
+    x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts, num_rows=sum(plan.send))
+    return (*_start_rows(call, x_ND, plan.recv, plan.send), row_map_TK)
+
+
 def _combine_rows(call: Call, y: torch.Tensor, send, recv) -> torch.Tensor:
     """Step 9's all-to-all of the expert outputs back to their senders (its backward in FP8
     with ``combine_grad_dtype="fp8"``)."""
@@ -216,14 +227,7 @@ class RouteRows:
                                   load=GroupLoad(load_PE, load_PE, None, 0), tp_tokens=None, row_map_TK=row_map_TK, weights_TK=r.weights_TK,
                                   send=(M,), recv=(M,), etp_sizes=None, regroup=None,
                                   token_sizes=r.token_sizes), extra
-        if call.fp8 and call.topo.ep > 1:   # permute and quantize in one pass
-            x_recv, pending, row_map_TK = fp8.permute_all_to_all_start(
-                r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts, sum(plan.send), call.topo.ep_group,
-                plan.recv, plan.send, call.stats)
-        else:
-            x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
-                                          num_rows=sum(plan.send))
-            x_recv, pending = _start_rows(call, x_ND, plan.recv, plan.send)
+        x_recv, pending, row_map_TK = _send_routes(call, r, plan)
         extra = _run_during(during, plan.tp_tokens)
         x_recv = _gather_etp(call, comm.wait_for(x_recv, pending), plan.etp_sizes)
         x_local, regroup = self._expert_major(x_recv, plan)
@@ -262,14 +266,7 @@ class SourceMajorRows(RouteRows):
 
     def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
         r = routes
-        if call.fp8 and call.topo.ep > 1:   # permute and quantize in one pass
-            x_recv, pending, row_map_TK = fp8.permute_all_to_all_start(
-                r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts, sum(plan.send), call.topo.ep_group,
-                plan.recv, plan.send, call.stats)
-        else:
-            x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
-                                          num_rows=sum(plan.send))
-            x_recv, pending = _start_rows(call, x_ND, plan.recv, plan.send)
+        x_recv, pending, row_map_TK = _send_routes(call, r, plan)
         extra = _run_during(during, plan.tp_tokens)
         x_recv = comm.wait_for(x_recv, pending)
         meta = SourceMajorMeta(form="source_major", num_tokens=r.x_TD.shape[0],
