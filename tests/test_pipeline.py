@@ -1,10 +1,9 @@
 """Pipeline stages with experts: torch's schedules train the example GPT-MoE exactly as one
 process accumulating the same micro-batches does; bad pipelines fail on every rank first."""
+import functools
+
 import pytest
 import torch
-
-import functools
-import os
 
 import moepar
 from examples.gpt_moe import GPT, GPTConfig
@@ -179,8 +178,6 @@ def test_pp2_ep2_trains_as_one_process():
                                                       ("recv", True)} or v == 1
 
 
-@pytest.mark.skipif(os.environ.get("MOEPAR_TEST_8_RANKS") != "1",
-                    reason="8 gloo processes: run with MOEPAR_TEST_8_RANKS=1 (docs/pipeline.md)")
 def test_pp2_tp2_ep2_on_eight_ranks_trains_as_one_process():
     ref_losses, ref_params = reference(10)
     _check_exact(run_ranks(_train_pipelined, 8, 2, 2, "1f1b", 1, 10), ref_losses, ref_params)
