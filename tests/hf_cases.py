@@ -320,6 +320,6 @@ def meta_init_worker(tp: int, ep: int, families: list[str]):
 
 
 def _block_dims(block):
-    from moepar.hf.convert import _dims
-    D, E, Fh, S, opts = _dims(block.hf_config)
+    from moepar.hf.families import block_dims
+    D, E, Fh, S, opts = block_dims(block.hf_config)
     return E, D, Fh, S, block.moe.router.bias is not None

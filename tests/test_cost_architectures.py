@@ -9,7 +9,8 @@ import pytest
 
 from moepar.cost import cli
 from moepar.cost.architectures import PRESET_CONFIGS, spec_fields, spec_fields_from_file
-from moepar.cost.model import MODELS, CostLayout, MoESpec, count_flops, count_params
+from moepar.cost.compute import count_flops
+from moepar.cost.model import MODELS, CostLayout, MoESpec, count_params
 
 DATA = os.path.join(os.path.dirname(__file__), "data")
 

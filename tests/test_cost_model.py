@@ -7,8 +7,9 @@ import pytest
 
 from moepar.cost.accounting import layer_calls, step_calls, step_cost
 from moepar.cost.hardware import get_hardware
-from moepar.cost.model import (MODELS, CostLayout, MoESpec, check_fits, count_flops, count_params,
-                               imbalance_from_counts, memory_per_rank, routes_per_rank)
+from moepar.cost.compute import count_flops, memory_per_rank
+from moepar.cost.model import (MODELS, CostLayout, MoESpec, check_fits, count_params, imbalance_from_counts,
+                               routes_per_rank)
 
 H100 = get_hardware("h100")
 

@@ -12,8 +12,8 @@ from .accounting import (DEFAULT_COMPUTE_EFFICIENCY, Call, StepCost, layer_calls
 from .collectives import Curve, Link, Placement, bus_factor, busbw, link_time, pick_algo
 from .compare import crossover_topk, ep_vs_tp, recommend
 from .hardware import PRESETS, Hardware, get_hardware, load_profile, save_profile
-from .model import (CostLayout, MoESpec, count_flops, count_params, imbalance_from_counts,
-                    memory_per_rank, routes_per_rank)
+from .compute import count_flops, memory_per_rank
+from .model import CostLayout, MoESpec, count_params, imbalance_from_counts, routes_per_rank
 from .pipeline import stage_cost
 from .report import build_report, measured_vs_predicted, render_markdown, render_text
 from .schedules import SCHEDULES, bubble_fraction

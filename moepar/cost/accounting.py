@@ -63,8 +63,9 @@ import dataclasses
 from ..moe.traffic import LayerShape, aux_group_name, layer_collectives
 from .collectives import sent_bytes
 from .hardware import Hardware
-from .model import (DTYPE_BYTES, CostLayout, Flops, Memory, MoESpec, Params, Routes, check_fits,
-                    count_flops, count_params, dedup_fraction, memory_per_rank, routes_per_rank)
+from .compute import Flops, Memory, count_flops, memory_per_rank
+from .model import (DTYPE_BYTES, CostLayout, MoESpec, Params, Routes, check_fits, count_params, dedup_fraction,
+                    routes_per_rank)
 
 INT64 = 8
 FP32 = 4

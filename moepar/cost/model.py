@@ -448,7 +448,3 @@ def imbalance_from_counts(tokens_per_expert, ep: int) -> float:
         raise ValueError("routing counts sum to 0: no tokens were routed")
     return max(loads) / mean
 
-
-# FLOPs and memory live in compute.py; their names stay importable from here.
-from .compute import (ADAM_BYTES_PER_PARAM, Flops, Memory, activation_bytes, count_flops,  # noqa: E402,F401
-                      memory_per_rank)

@@ -29,7 +29,8 @@ import dataclasses
 from .accounting import DEFAULT_COMPUTE_EFFICIENCY, Call, StepCost, price_stage, wire_bytes
 from .collectives import P2P, Placement, sent_bytes
 from .hardware import Hardware
-from .model import CostLayout, Memory, MoESpec, count_flops, count_params
+from .compute import Memory, count_flops
+from .model import CostLayout, MoESpec, count_params
 from .schedules import (bubble_fraction, bubble_units, check_pipeline, chunk_bounds, chunk_rank,
                         in_flight)
 

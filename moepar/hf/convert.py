@@ -53,23 +53,17 @@ def hf_dtypes(source, config) -> dict:
     fam = families.family_of(config)
     if isinstance(source, nn.Module):
         source = DictSource(dict(source.state_dict()))
-    _, E, _, _, opts = _dims(config)
+    _, E, _, _, opts = families.block_dims(config)
     out = {"experts": source.dtype(families.expert_keys(fam, E)[0])}
     for key in families.dense_keys(fam, opts.get("router_bias", False)).values():
         out[key] = source.dtype(key)
     return out
 
 
-def _dims(config):
-    D, E, Fh, opts = families.moe_options(config)
-    S = opts.get("shared_ffn_hidden", 0) if opts.get("num_shared_experts") else 0
-    return D, E, Fh, S, opts
-
-
 def check_source(source, config) -> None:
     """ValueError naming every missing or misshapen tensor of the block."""
     fam = families.family_of(config)
-    D, E, Fh, S, opts = _dims(config)
+    D, E, Fh, S, opts = families.block_dims(config)
     want = families.expected_shapes(fam, E, D, Fh, S, opts.get("router_bias", False))
     missing = [k for k in want if source.shape(k) is None]
     wrong = [f"{k}: {source.shape(k)} (expected {want[k]})" for k in want
@@ -93,7 +87,7 @@ def convert_block(block: nn.Module | None, config, state: ParallelState | None =
     """
     state = state if state is not None else get_parallel_state()
     fam = families.family_of(config)
-    D, E, Fh, S, opts = _dims(config)   # options first: ValueError for what moepar cannot express
+    D, E, Fh, S, opts = families.block_dims(config)   # options first: ValueError for what moepar cannot express
     if checkpoint is not None:
         source = checkpoint.block(prefix, fam)
     elif block is not None:
@@ -120,46 +114,10 @@ def convert_block(block: nn.Module | None, config, state: ParallelState | None =
     return moe
 
 
-def local_parts(moe: MoE, fam: Family, source, Fh: int, local: bool = False):
-    """This rank's share of the source's tensors, as (name in ``moe``, local expert or None,
-    tensor) one expert at a time (the read's temporaries stay one expert large).
-    ``local``: the source holds this rank's shard already, in the HF layout (``names``):
-    its experts 0..L-1 (per-expert keys by global index), its ffn columns, its TP rows."""
-    st, ex = moe.state, moe.experts
-    L = moe.num_local_experts
-    lo = st.ep_rank * L
-    Fl = ex.ffn_local
-    cols = slice(ex.etp_rank * Fl, (ex.etp_rank + 1) * Fl)
-    for e in range(L):
-        g = lo + e if not local or fam.layout == "per_expert" else e
-        full = families.read_experts(fam, source.get, g, g + 1, Fl if local else Fh)
-        for name, t in full.items():
-            if not local and name in ("w1", "w3"):
-                t = t[:, :, cols]
-            elif not local and name in ("w2", "b1", "b3"):
-                t = t[:, cols]
-            yield "experts." + name, e, t
-        del full
-    dense = {n: source.get(k) for n, k in families.dense_keys(fam, moe.router.bias is not None).items()}
-    for name, key in (("router_weight", "router.weight"), ("router_bias", "router.bias"),
-                      ("expert_bias", "router.expert_bias")):
-        if name in dense:
-            yield key, None, dense[name].float()
-    sh = moe.shared
-    if sh is not None:
-        n = sh.w1.weight.shape[0]   # this TP rank's rows of the shared ffn
-        rows = slice(0, n) if local else slice(st.tp_rank * n, (st.tp_rank + 1) * n)
-        yield "shared.w1.weight", None, dense["shared_w1"][rows]
-        yield "shared.w3.weight", None, dense["shared_w3"][rows]
-        yield "shared.w2.weight", None, dense["shared_w2"][:, rows]
-        if sh.gate is not None:
-            yield "shared.gate.weight", None, dense["shared_gate"]
-
-
 @torch.no_grad()
 def load_weights(moe: MoE, fam: Family, source, Fh: int) -> None:
     """Copy this rank's share of the source's tensors into ``moe``."""
-    for name, e, t in local_parts(moe, fam, source, Fh):
+    for name, e, t in families.local_parts(moe, fam, source, Fh):
         p = moe.get_parameter(name) if name != "router.expert_bias" else moe.router.expert_bias
         (p if e is None else p[e:e + 1]).copy_(t)
 

@@ -19,11 +19,14 @@ Expert layouts of transformers (5.x) blocks, per expert e:
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
 from .catalog import FAMILIES, Family  # noqa: F401  (the one family table, torch-free)
+
+if TYPE_CHECKING:
+    from moepar.moe.layer import MoE
 
 # get(key, rows) -> tensor: ``rows`` (a slice of dim 0) or None for the whole tensor.
 Getter = Callable[[str, Optional[slice]], torch.Tensor]
@@ -244,3 +247,46 @@ def expected_shapes(fam: Family, E: int, D: int, Fh: int, S: int, router_bias: b
     for name, key in dense_keys(fam, router_bias).items():
         out[key] = dims[name]
     return out
+
+
+def block_dims(config):
+    """(D, E, F, shared F or 0, MoE options) of ``config``'s block."""
+    D, E, Fh, opts = moe_options(config)
+    S = opts.get("shared_ffn_hidden", 0) if opts.get("num_shared_experts") else 0
+    return D, E, Fh, S, opts
+
+
+def local_parts(moe: MoE, fam: Family, source, Fh: int, local: bool = False):
+    """This rank's share of the source's tensors, as (name in ``moe``, local expert or None,
+    tensor) one expert at a time (the read's temporaries stay one expert large).
+    ``local``: the source holds this rank's shard already, in the HF layout (``names``):
+    its experts 0..L-1 (per-expert keys by global index), its ffn columns, its TP rows."""
+    st, ex = moe.state, moe.experts
+    L = moe.num_local_experts
+    lo = st.ep_rank * L
+    Fl = ex.ffn_local
+    cols = slice(ex.etp_rank * Fl, (ex.etp_rank + 1) * Fl)
+    for e in range(L):
+        g = lo + e if not local or fam.layout == "per_expert" else e
+        full = read_experts(fam, source.get, g, g + 1, Fl if local else Fh)
+        for name, t in full.items():
+            if not local and name in ("w1", "w3"):
+                t = t[:, :, cols]
+            elif not local and name in ("w2", "b1", "b3"):
+                t = t[:, cols]
+            yield "experts." + name, e, t
+        del full
+    dense = {n: source.get(k) for n, k in dense_keys(fam, moe.router.bias is not None).items()}
+    for name, key in (("router_weight", "router.weight"), ("router_bias", "router.bias"),
+                      ("expert_bias", "router.expert_bias")):
+        if name in dense:
+            yield key, None, dense[name].float()
+    sh = moe.shared
+    if sh is not None:
+        n = sh.w1.weight.shape[0]   # this TP rank's rows of the shared ffn
+        rows = slice(0, n) if local else slice(st.tp_rank * n, (st.tp_rank + 1) * n)
+        yield "shared.w1.weight", None, dense["shared_w1"][rows]
+        yield "shared.w3.weight", None, dense["shared_w3"][rows]
+        yield "shared.w2.weight", None, dense["shared_w2"][:, rows]
+        if sh.gate is not None:
+            yield "shared.gate.weight", None, dense["shared_gate"]

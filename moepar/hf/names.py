@@ -103,12 +103,11 @@ class _Source:
 def load_hook(block, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
               error_msgs) -> None:
     """transformers' keys of the block (full tensors, or this rank's shard) -> moepar's."""
-    from .convert import _dims, local_parts
     moe, fam, cfg = block.moe, block.family, block.hf_config
     if not _translating(block) or not any(k.startswith(prefix) and not k.startswith(prefix + "moe.")
                                           for k in state_dict):
         return   # moepar's own names (or nothing of this block): torch's loading as usual
-    D, E, Fh, S, _ = _dims(cfg)
+    D, E, Fh, S, _ = families.block_dims(cfg)
     source = _Source(state_dict, prefix)
     router_bias = moe.router.bias is not None
     full = families.expected_shapes(fam, E, D, Fh, S, router_bias)
@@ -120,7 +119,7 @@ def load_hook(block, state_dict, prefix, local_metadata, strict, missing_keys, u
                           f"this rank's shard {[shard[k] for k in bad]}")
         return
     whole: dict[str, torch.Tensor] = {}
-    for name, e, t in local_parts(moe, fam, source, Fh, local=not is_full):
+    for name, e, t in families.local_parts(moe, fam, source, Fh, local=not is_full):
         if e is None:
             whole[name] = t
             continue
