@@ -46,12 +46,7 @@ if KERNEL_BLOCK != BLOCK:   # the cost model's bytes and the kernel's blocks mus
     raise ImportError(f"moepar_kernels.permute_fp8.BLOCK={KERNEL_BLOCK} != traffic.FP8_BLOCK={BLOCK}")
 
 __all__ = ["E4M3_MAX", "FP8", "quantize", "dequantize", "pack", "unpack", "fake_quantize", "row_bytes",
-           "all_to_all", "all_to_all_start", "permute_all_to_all_start", "combine_all_to_all"]
-
-
-def scale_blocks(D: int) -> int:
-    """B: scale blocks per row of D channels (the last one may be partial)."""
-    return -(-D // BLOCK)
+           "all_to_all_start", "permute_all_to_all_start", "combine_all_to_all"]
 
 
 row_bytes = fp8_row_bytes   # bytes one row takes on the wire: D fp8 values and B fp32 scales
@@ -125,12 +120,6 @@ def all_to_all_start(x_ND: torch.Tensor, group, output_split_sizes: Sequence[int
     if comm.group_size(group) == 1:
         return x_ND, comm.Pending()
     return _start(x_ND, pack(*quantize(x_ND)), None, group, output_split_sizes, input_split_sizes, stats)
-
-
-def all_to_all(x_ND: torch.Tensor, group, output_split_sizes: Sequence[int] | None,
-               input_split_sizes: Sequence[int] | None, stats: comm.CommStats | None = None) -> torch.Tensor:
-    """``all_to_all_start`` and its wait."""
-    return comm.wait_for(*all_to_all_start(x_ND, group, output_split_sizes, input_split_sizes, stats))
 
 
 def permute_all_to_all_start(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
