@@ -175,6 +175,11 @@ class GroupedExperts(nn.Module):
         for name, t in whole.items():
             copy_local(getattr(self, name), t)
 
+    def weights(self) -> tuple:
+        """(w1, w2, w3, b1, b2, b3) in moepar's layouts (None where absent): what the GEMMs
+        read. A subclass holding its tensors in another layout returns views of them here."""
+        return (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
+
     def _counts(self, tokens_per_expert, x_ND: torch.Tensor, num_blocks: int | None = None) -> list[int]:
         """The counts as a host list (a host read if they live on an accelerator)."""
         if isinstance(tokens_per_expert, torch.Tensor):
@@ -232,7 +237,9 @@ class GroupedExperts(nn.Module):
         (e.g. the source-rank-major rows of an all-to-all, which then need no regrouping
         copy). Runs the loop GEMM path, one product per block on the expert's weights in
         place, weight gradients accumulated per expert."""
-        params = (self.w1, self.w2, self.w3, self.b1, self.b2 if self.etp_size == 1 else None, self.b3)
+        params = self.weights()
+        if self.etp_size > 1:
+            params = params[:4] + (None,) + params[5:]   # b2 added once, by the caller (partial sums)
         dev = x_ND.device.type
         if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.w1.dtype:
             # Under autocast the GEMMs run in the autocast dtype (master weights stay fp32;
