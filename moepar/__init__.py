@@ -1,7 +1,8 @@
 """moepar: an expert-parallel Mixture-of-Experts layer for PyTorch.
 
 Public names: ``MoE`` and its options ``MoEConfig`` / ``RouterConfig``, ``aux_loss``,
-``load_report`` (the layers' load imbalance), ``TopKRouter``, ``Routing``,
+``load_report`` (the layers' load imbalance), ``rebalance`` (re-place replicated experts
+from measured load), ``TopKRouter``, ``Routing``,
 ``GroupedExperts``; ``init_parallel`` / ``destroy_parallel`` and the parallel building
 blocks; ``Pipeline`` (pipeline stages on torch's schedules, docs/pipeline.md); ``fully_shard`` (FSDP2 with expert parallelism); ``release_cpu_buffers`` and
 ``cpu_buffer_stats`` for the CPU buffer pool (docs/moe.md). ``moepar.checkpoint``,
@@ -24,6 +25,7 @@ _NAMES = {
     "RouterConfig": ".moe.router", "Routing": ".moe.router", "TopKRouter": ".moe.router",
     "GroupedExperts": ".moe.experts",
     "LoadReport": ".moe.load_report", "load_report": ".moe.load_report",
+    "rebalance": ".moe.rebalance", "Rebalanced": ".moe.rebalance",
     "release_cpu_buffers": ".moe.cpu:release", "cpu_buffer_stats": ".moe.cpu:stats",
     **{name: ".parallel" for name in (
         "ColumnParallelLinear", "ParallelState", "RowParallelLinear", "VocabParallelEmbedding",
@@ -31,7 +33,8 @@ _NAMES = {
         "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "Pipeline")},
     "init_distributed": ".parallel.faults", "CollectiveError": ".parallel.faults",
 }
-__all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "load_report", "LoadReport", "TopKRouter",
+__all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "load_report", "LoadReport", "rebalance",
+           "Rebalanced", "TopKRouter",
            "Routing", "GroupedExperts", "ColumnParallelLinear", "ParallelState", "RowParallelLinear",
            "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",
            "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "Pipeline", "release_cpu_buffers",

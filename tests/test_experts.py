@@ -218,8 +218,8 @@ def test_expert_tensor_parallel_slices_sum_to_the_expert(activation):
     x = torch.randn(10, 8, requires_grad=True)
     g = torch.randn(10, 8)
     y = whole(x, counts)
-    partial = ranks[0](x, counts) + ranks[1](x, counts)          # the caller's all-reduce
-    y_etp = ranks[0].add_output_bias(partial, counts)            # then b2, once
+    # the caller's all-reduce of the partial sums: b2 comes in once, from expert-TP rank 0
+    y_etp = ranks[0](x, counts) + ranks[1](x, counts)
     torch.testing.assert_close(y_etp, y)
     gx, gw1, gb2 = torch.autograd.grad(y, [x, whole.w1, whole.b2], g)
     gx_etp, gw1_0, gw1_1, gb2_0 = torch.autograd.grad(y_etp, [x, ranks[0].w1, ranks[1].w1, ranks[0].b2], g)

@@ -85,6 +85,14 @@ class MoEConfig:
         exchange (no extra collective); the dropped routes weigh 0 and are counted in
         ``moe.stats`` (``moepar.moe.guard``). Dropless mode only (not with pad_to_capacity);
         dedup is used only in steps where the guard cuts nothing.
+        redundant_experts: R extra expert slots per EP group (default 0), R/ep per rank,
+        holding copies of the hottest experts (``moepar.moe.replicas``): the routes to a
+        replicated expert are split among its copies as the placement planned, the copies'
+        weights come from the expert's owner each forward and their gradients go back to
+        it, so the layer computes what the unreplicated one does. The slot map starts
+        uniform; ``moepar.rebalance(model)`` re-plans it from the measured load. R must be
+        divisible by ep and at most E x (ep - 1) (one copy of an expert per rank); dropless
+        mode only (not with pad_to_capacity).
     Routing: ``router`` (``RouterConfig``: k, score_func, capacity_factor, aux_loss, ...);
         its ``hidden``/``num_experts``/``init_seed``/``init_std`` are the layer's.
     Hugging Face families' options (``moepar.hf``, docs/hf.md):
@@ -130,6 +138,7 @@ class MoEConfig:
     combine_grad_dtype: Optional[str] = None
     # Load imbalance: the receive guard (moepar/moe/guard.py).
     receive_capacity_factor: Optional[float] = None
+    redundant_experts: int = 0
     # Hugging Face families' options (docstring above)
     shared_expert_gate: bool = False
     router_bias: bool = False
@@ -175,9 +184,23 @@ class MoEConfig:
         if self.receive_capacity_factor is not None and router.pad_to_capacity:
             raise ValueError(f"receive_capacity_factor={self.receive_capacity_factor!r} needs dropless dispatch: "
                              f"pad_to_capacity=True already gives every rank the same rows")
+        self._check_redundant_experts(router)
         object.__setattr__(self, "router", dataclasses.replace(router, init_seed=self.init_seed,
                                                                init_std=self.init_std,
                                                                bias=router.bias or self.router_bias))
+
+    def _check_redundant_experts(self, router: RouterConfig) -> None:
+        R, E, ep = self.redundant_experts, self.num_experts, self.ep_size
+        checks.int_at_least("redundant_experts", R, 0)
+        if R % ep:
+            raise ValueError(f"redundant_experts={R} is not divisible by ep_size={ep} "
+                             "(every EP rank holds the same number of extra slots)")
+        if R > E * (ep - 1):
+            raise ValueError(f"redundant_experts={R} > num_experts x (ep_size - 1) = {E} x {ep - 1}: an expert "
+                             f"has at most one copy per EP rank, so at most {E * (ep - 1)} extra copies fit")
+        if R and router.pad_to_capacity:
+            raise ValueError(f"redundant_experts={R} needs dropless dispatch: pad_to_capacity=True sizes "
+                             "every expert's rows by the router's capacity, which copies would split")
 
     def _check_hf_options(self) -> None:
         """The Hugging Face families' options (shared_expert_gate ... activation_alpha)."""

@@ -97,7 +97,8 @@ class Dispatcher:
     def for_layer(cls, config, state, stats: comm.CommStats | None = None) -> "Dispatcher":
         """The dispatcher of an MoE layer: its options from the layer's ``MoEConfig`` (already
         validated there), its groups from ``state`` at every call."""
-        return cls(config.num_experts, state=state, stats=stats, sequence_parallel=config.sequence_parallel,
+        # With redundant experts the exchange runs over the E + R slots, as if each were an expert.
+        return cls(config.num_experts + config.redundant_experts, state=state, stats=stats, sequence_parallel=config.sequence_parallel,
                    dedup=config.dedup, receive_capacity_factor=config.receive_capacity_factor,
                    source_major=config.cpu_source_major, padded=config.router.pad_to_capacity,
                    dispatch_fp8=config.dispatch_dtype == "fp8", combine_grad_fp8=config.combine_grad_dtype == "fp8")

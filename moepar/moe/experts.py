@@ -84,6 +84,8 @@ class GroupedExperts(nn.Module):
     (the dim sliced by etp: 2 for w1/w3, 1 for w2/b1/b3, None for b2).
     """
 
+    replicas = None   # moepar.moe.replicas.Replicas: set by the layer for redundant_experts > 0
+
     def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "gelu",
                  bias: bool = False, *, first_expert: int = 0, etp_size: int = 1, etp_rank: int = 0,
                  init_seed: int = 1234, init_std: float | None = None, dtype: torch.dtype | None = None,
@@ -189,17 +191,17 @@ class GroupedExperts(nn.Module):
             counts = tokens_per_expert.tolist()
         else:
             counts = [int(c) for c in tokens_per_expert]
-        return check_counts(counts, self.num_local_experts if num_blocks is None else num_blocks, x_ND.shape[0])
+        return check_counts(counts, self.num_slots if num_blocks is None else num_blocks, x_ND.shape[0])
 
     def _both_counts(self, tokens_per_expert, host_counts, x_ND: torch.Tensor):
         """(host list or None, device tensor or None): the host list where it is known or
         free (given, a list, or a CPU tensor), else None; the device counts where given."""
         if host_counts is not None:
-            host = check_counts(list(host_counts), self.num_local_experts, x_ND.shape[0])
+            host = check_counts(list(host_counts), self.num_slots, x_ND.shape[0])
         elif not isinstance(tokens_per_expert, torch.Tensor) or tokens_per_expert.device.type == "cpu":
             host = self._counts(tokens_per_expert, x_ND)
         elif x_ND.shape[0] == 0:
-            host = [0] * self.num_local_experts
+            host = [0] * self.num_slots
         else:
             host = None
         dev = None
@@ -230,7 +232,9 @@ class GroupedExperts(nn.Module):
         ``host_counts``: the same on the host when the caller knows them. On an accelerator
         with device counts only, the grouped-GEMM path reads nothing back to the host (the
         other paths read the counts once). With ``etp_size > 1`` the result is this rank's
-        partial sum and excludes b2.
+        partial sum (b2 included on expert-TP rank 0 only). With ``replicas`` (set by the
+        layer for ``redundant_experts``) the blocks are this rank's slots
+        (``moepar.moe.replicas``).
 
         ``segment_experts`` (optional): the rows are blocks in any order, block i
         (``tokens_per_expert[i]`` rows) going through local expert ``segment_experts[i]``
@@ -238,8 +242,11 @@ class GroupedExperts(nn.Module):
         copy). Runs the loop GEMM path, one product per block on the expert's weights in
         place, weight gradients accumulated per expert."""
         params = self.weights()
-        if self.etp_size > 1:
-            params = params[:4] + (None,) + params[5:]   # b2 added once, by the caller (partial sums)
+        if self.replicas is not None:   # local experts [L, ...] -> this rank's slots [S, ...]
+            params = self.replicas.slot_weights(params)
+        b2 = params[4] if self.etp_size > 1 else None
+        if b2 is not None:   # partial sums: b2 is added below, once over the expert-TP group
+            params = params[:4] + (None,) + params[5:]
         dev = x_ND.device.type
         if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.w1.dtype:
             # Under autocast the GEMMs run in the autocast dtype (master weights stay fp32;
@@ -247,16 +254,30 @@ class GroupedExperts(nn.Module):
             dt = torch.get_autocast_dtype(dev)
             x_ND = x_ND.to(dt)
             params = tuple(None if p is None else p.to(dt) for p in params)
+            b2 = None if b2 is None else b2.to(dt)
             with torch.autocast(dev, enabled=False):
-                return self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts)
-        self._check_input(x_ND)
-        return self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts)
+                y_ND = self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts)
+        else:
+            self._check_input(x_ND)
+            y_ND = self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts)
+        if b2 is not None:
+            # Every expert-TP rank adds its copy of b2, rank 0 with weight 1 and the others
+            # with 0: the reduction of the partial sums adds it once, and b2 has a gradient
+            # on every rank (zero off rank 0). A parameter used on some ranks only would be
+            # left out of FSDP2's reduce-scatter there: mismatched collectives, a hang.
+            y_ND = self._add_bias(y_ND, b2 if self.etp_rank == 0 else b2 * 0.0, tokens_per_expert, host_counts)
+        return y_ND
+
+    @property
+    def num_slots(self) -> int:
+        """Row blocks ``forward`` takes: the local experts, or with replicas this rank's slots."""
+        return self.num_local_experts if self.replicas is None else self.replicas.slots_per_rank
 
     def _run(self, x_ND, tokens_per_expert, params, segment_experts=None, host_counts=None) -> torch.Tensor:
         if segment_experts is not None:
             seg = [int(e) for e in segment_experts]
-            if any(not 0 <= e < self.num_local_experts for e in seg):
-                raise ValueError(f"segment_experts={seg} must lie in [0, num_local_experts={self.num_local_experts})")
+            if any(not 0 <= e < self.num_slots for e in seg):
+                raise ValueError(f"segment_experts={seg} must lie in [0, {self.num_slots}) (the local experts or slots)")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
             return ExpertsFunction.apply(x_ND, *params, counts, None, "loop", self._act, seg)
         # The custom op takes the built-in activation names only: the others stay eager.
@@ -270,18 +291,13 @@ class GroupedExperts(nn.Module):
             counts = self._counts(tokens_per_expert, x_ND)
         return ExpertsFunction.apply(x_ND, *params, counts, counts_dev, path, self._act, None)
 
-    def add_output_bias(self, y_ND: torch.Tensor, tokens_per_expert, scale: float = 1.0) -> torch.Tensor:
-        """``y_ND`` plus ``scale`` x b2 on each expert's row block (a no-op without bias). For
-        the etp > 1 caller, whose ranks' partial sums are reduced afterwards (scale 1 on one
-        rank, 0 on the others). ``tokens_per_expert``: a tensor on y's device (nothing read to
-        the host) or a list."""
-        if self.b2 is None:
-            return y_ND
+    def _add_bias(self, y_ND: torch.Tensor, b2: torch.Tensor, tokens_per_expert, host_counts) -> torch.Tensor:
+        """``y_ND`` plus b2 [S, D] on each block's rows (device counts where given: no host read)."""
         if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.device == y_ND.device:
             reps = tokens_per_expert
         else:
-            reps = torch.tensor(self._counts(tokens_per_expert, y_ND), dtype=torch.int64, device=y_ND.device)
-        b2 = self.b2 if scale == 1.0 else self.b2 * scale
+            counts = host_counts if host_counts is not None else self._counts(tokens_per_expert, y_ND)
+            reps = torch.tensor(list(counts), dtype=torch.int64, device=y_ND.device)
         return y_ND + torch.repeat_interleave(b2, reps, dim=0, output_size=y_ND.shape[0])
 
     def extra_repr(self) -> str:

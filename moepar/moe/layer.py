@@ -27,6 +27,7 @@ from .activations import Elementwise
 from .experts import GATED, GroupedExperts
 from .guard import GroupLoad
 from .layer_options import SharedExpertGate, copy_local, routes_as_rows, sum_routes
+from .replicas import Replicas
 from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, tapped
 from .router import TopKRouter
 from .traffic import aux_group_name
@@ -166,12 +167,18 @@ class MoE(nn.Module):
             first_expert=state.ep_rank * self.num_local_experts, etp_size=self.etp, etp_rank=state.etp_rank,
             init_seed=init_seed + 1, init_std=cfg.init_std, dtype=cfg.dtype, gemm_path=cfg.gemm_path,
             activation_limit=cfg.activation_limit, activation_alpha=cfg.activation_alpha)
+        self.replicas = None
+        if cfg.redundant_experts:   # E + R slots per EP group (moepar.moe.replicas)
+            self.replicas = self.experts.replicas = Replicas(cfg.num_experts, cfg.redundant_experts, cfg.ep_size,
+                                                             state, stats=None)
         self.shared = None
         if cfg.num_shared_experts:
             self.shared = SharedExperts(hidden, cfg.shared_ffn, cfg.activation, state, cfg.sequence_parallel,
                                         init_seed + 2, cfg.init_std, cfg.dtype, gate=cfg.shared_expert_gate)
         self._stats = MoEStats()
         self.dispatcher = Dispatcher.for_layer(cfg, state, self._stats.comm)
+        if self.replicas is not None:
+            self.replicas.stats = self._stats.comm
         self._losses: dict[str, torch.Tensor | None] = {"aux": None, "z": None}
         # Set when the last forward ran under no_grad in training (the reentrant checkpoint's
         # forward): the losses are then read through taps (moepar.moe.recompute).
@@ -211,6 +218,11 @@ class MoE(nn.Module):
     etp = property(lambda self: self.state.etp_size)
     tp = property(lambda self: self.state.tp_size)
     num_local_experts = property(lambda self: self.config.num_experts // self.state.ep_size)
+
+    @property
+    def placement(self):
+        """The slot map in use (``moepar.moe.placement.Placement``), None without replicas."""
+        return None if self.replicas is None else self.replicas.placement
 
     @property
     def aux_loss(self) -> torch.Tensor | None:
@@ -261,6 +273,10 @@ class MoE(nn.Module):
         if routing.nonfinite is not None:
             flags["nonfinite_logits"] = routing.nonfinite
         x_rows, ids, dropped, w = self._dispatched_rows(x_TD, routing)
+        if self.replicas is not None:   # routes -> slots, split among the copies as planned
+            ids = self.replicas.route_slots(ids, dropped)
+            if self.training and not recompute and not traced:
+                self.replicas.record_load(routing.tokens_per_expert)
         during = None
         if self.shared is not None and self.config.overlap_shared_experts:
             during = lambda tp_tokens: self.shared(x_TD, self._sequence_sizes(tp_tokens),   # noqa: E731
@@ -325,8 +341,8 @@ class MoE(nn.Module):
 
     def _run_experts(self, x_local: torch.Tensor, meta) -> torch.Tensor:
         """Step 8: the local experts on the received rows (expert-major, or the source-major
-        blocks that ``meta.segments`` names); with expert TP the partial sums are reduced in
-        ``combine``, so the output bias counts once, from ETP rank 0."""
+        blocks that ``meta.segments`` names); with expert TP the partial sums (the output
+        bias from ETP rank 0 alone) are reduced in ``combine``."""
         segments = getattr(meta, "segments", None)
         if segments is not None:
             args, kw = (x_local, segments[1], segments[0]), {}
@@ -336,13 +352,6 @@ class MoE(nn.Module):
             y_local = torch.utils.checkpoint.checkpoint(self.experts, *args, use_reentrant=False, **kw)
         else:
             y_local = self.experts(*args, **kw)
-        if self.etp > 1:
-            # Every expert-TP rank adds its copy of b2, rank 0 with weight 1 and the others
-            # with 0: the reduction of the partial sums adds it once, and b2 has a gradient
-            # on every rank (zero off rank 0). A parameter used on some ranks only would be
-            # left out of FSDP2's reduce-scatter there: mismatched collectives, a hang.
-            y_local = self.experts.add_output_bias(y_local, meta.counts_dev,
-                                                   scale=1.0 if self.state.etp_rank == 0 else 0.0)
         return y_local
 
     def _record(self, routing, meta) -> None:

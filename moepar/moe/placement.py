@@ -101,7 +101,7 @@ def check_placement_args(loads, num_experts, redundant_experts, ep_size, ranks_p
 
 
 def plan_placement(loads: Sequence[float], num_experts: int, redundant_experts: int, ep_size: int, *,
-                   ranks_per_node: int | None = None) -> Placement:
+                   ranks_per_node: int | None = None, owner_slack: float = 0.0) -> Placement:
     """The slot map for ``num_experts`` logical experts and ``redundant_experts`` extra copies
     over ``ep_size`` EP ranks, from per-expert ``loads`` (non-negative finite numbers, e.g. a
     ``tokens_per_expert`` count's ``.tolist()``). ``ranks_per_node``: EP ranks per node (EP
@@ -113,8 +113,11 @@ def plan_placement(loads: Sequence[float], num_experts: int, redundant_experts: 
     ``g // (E / ep)``. Otherwise the greedy EPLB plan (with and without the node
     preference), or the unreplicated layout with the extra slots filled greedily if that
     has a lower maximum rank load, so the result is never worse than no replication.
-    Shares by water-filling (``_Fill``).
+    ``owner_slack`` >= 0: the unreplicated layout plus copies also wins when its most-loaded
+    rank is within this fraction of the best plan's (in the layer only the copies' weights
+    then travel each forward, ``moepar.moe.replicas``). Shares by water-filling (``_Fill``).
     """
+    finite("owner_slack", owner_slack, at_least=0)
     loads = check_placement_args(loads, num_experts, redundant_experts, ep_size, ranks_per_node)
     E, R, ep = num_experts, redundant_experts, ep_size
     per_rank = (E + R) // ep
@@ -130,6 +133,8 @@ def plan_placement(loads: Sequence[float], num_experts: int, redundant_experts: 
     identity.pour(range(E))
     plans.append((_build(loads, identity.held, identity.share), 0.0))
     least = min(max(p.rank_loads()) for p, _ in plans)
+    if owner_slack > 0 and max(plans[-1][0].rank_loads()) <= least * (1 + owner_slack):
+        return plans[-1][0]
     flat = max(math.fsum(loads[r * (E // ep):(r + 1) * (E // ep)]) for r in range(ep))   # R = 0's maximum
     return next((p for p, slack in plans if max(p.rank_loads()) <= min(least * (1 + slack), flat * (1 + 1e-9))),
                 plans[-1][0])

@@ -1,0 +1,232 @@
+"""Expert replication in the layer: E + R expert slots per EP group, the hot experts copied.
+
+``MoE(..., redundant_experts=R)`` gives each of the ep ranks S = (E + R) / ep slots; the
+slot map is a ``moepar.moe.placement.Placement`` (first uniform, then from measured load at
+each ``rebalance``). Three rules keep it exact and cheap to reason about:
+
+- **Ownership never moves.** Logical expert g's parameters stay on its home rank
+  ``g // L`` (L = E / ep, the unreplicated layout), so the optimizer, its state, FSDP2's
+  shards and checkpoints see the unreplicated layer; a rebalance moves no parameter and
+  no optimizer state. A slot on g's home rank is a view of the local parameter; a slot
+  elsewhere is a copy that arrives in one all-to-all per forward over the EP group
+  (``_SlotWeights``), and whose gradient goes back to the owner in one all-to-all per
+  backward, summed there with the other copies' (autograd does the summing: the optimizer
+  sees each logical expert once).
+- **Routes split by rule, not by timing.** Each rank splits its kept routes to a
+  replicated expert among the copies with ``placement.split_counts`` of the planned shares,
+  in token order (``route_slots``; on the device, no host read); the token exchange then
+  runs over the S slots per rank as if they were experts.
+- **Loads measured on the device.** Every training forward adds the router's routes per
+  logical expert to ``loads_E``; ``rebalance`` all-reduces them once for every layer and
+  re-plans every layer's slot map from them.
+
+Legend (docs/moe.md): E logical experts, L = E/ep owned here, S slots per rank, N routes.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ..parallel import comm
+from .placement import Placement, check_placement_args, plan_placement
+
+# A placement that keeps every expert's first copy on its owner wins when its most-loaded
+# rank carries at most this much more than the best plan's: then only the R copies' weights
+# travel each forward, not those of moved experts.
+OWNER_SLACK = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotMap:
+    """Host-side tables of one placement, seen from one EP rank (the same on every rank but
+    ``rank``): what this rank sends to and receives from each peer per forward."""
+
+    placement: Placement
+    rank: int
+    owned: int                     # L: logical experts per rank (home rank of g: g // L)
+    send_local: tuple[int, ...]    # local expert index of each row sent, grouped by peer
+    send_splits: tuple[int, ...]   # rows sent to each peer
+    recv_splits: tuple[int, ...]   # rows received from each peer
+    slot_source: tuple[int, ...]   # per slot: a local expert (< L) or L + its received row
+
+    @classmethod
+    def of(cls, placement: Placement, rank: int) -> "SlotMap":
+        E, ep = placement.num_experts, placement.ep_size
+        L = E // ep
+        send_local, send_splits, recv_splits = [], [], []
+        for peer in range(ep):
+            # peer's remote slots holding one of my experts, in the peer's slot order
+            mine = [g - rank * L for g in placement.slots[peer] if peer != rank and g // L == rank]
+            send_local += mine
+            send_splits.append(len(mine))
+            recv_splits.append(sum(1 for g in placement.slots[rank] if peer != rank and g // L == peer))
+        source, received = [], 0
+        recv_offset = [sum(recv_splits[:p]) for p in range(ep)]
+        seen = [0] * ep
+        for g in placement.slots[rank]:
+            home = g // L
+            if home == rank:
+                source.append(g - rank * L)
+            else:
+                source.append(L + recv_offset[home] + seen[home])
+                seen[home] += 1
+                received += 1
+        return cls(placement, rank, L, tuple(send_local), tuple(send_splits), tuple(recv_splits), tuple(source))
+
+    @property
+    def moves_weights(self) -> bool:
+        """Whether any slot of the EP group is a remote copy (the all-to-alls run)."""
+        L = self.owned
+        return any(g // L != r for r, held in enumerate(self.placement.slots) for g in held)
+
+
+class Replicas:
+    """One MoE layer's slot map and measured load. ``state``: the layer's ParallelState
+    (the EP group read from it at every call, never kept)."""
+
+    def __init__(self, num_experts: int, redundant_experts: int, ep_size: int, state,
+                 stats: comm.CommStats | None = None):
+        check_placement_args([1.0] * num_experts, num_experts, redundant_experts, ep_size)
+        self.num_experts, self.redundant_experts, self.ep_size = num_experts, redundant_experts, ep_size
+        self.state, self.stats = state, stats
+        self.loads_E: torch.Tensor | None = None   # created on the routing's device
+        # uniform load: the unreplicated layout plus copies balances it; only copies travel
+        self.set_placement(plan_placement([1.0] * num_experts, num_experts, redundant_experts, ep_size,
+                                          owner_slack=OWNER_SLACK))
+
+    @property
+    def slots_per_rank(self) -> int:
+        return (self.num_experts + self.redundant_experts) // self.ep_size
+
+    def set_placement(self, placement: Placement) -> None:
+        """Use ``placement`` from the next forward on (a step boundary: every rank alike)."""
+        if (placement.num_experts, placement.redundant_experts, placement.ep_size) != \
+                (self.num_experts, self.redundant_experts, self.ep_size):
+            raise ValueError(f"placement for E={placement.num_experts}, R={placement.redundant_experts}, "
+                             f"ep={placement.ep_size} does not fit this layer's E={self.num_experts}, "
+                             f"R={self.redundant_experts}, ep={self.ep_size}")
+        self.placement = placement
+        self.map = SlotMap.of(placement, self.state.ep_rank)
+        self._tables: dict = {}   # device -> (slot table [E, M], split fractions [E, M])
+
+    # ---- routes -> slots ------------------------------------------------------------------
+    def _device_tables(self, device):
+        t = self._tables.get(device)
+        if t is None:
+            p = self.placement
+            M = max(len(c) for c in p.copies)
+            slot_EM = torch.zeros(p.num_experts, M, dtype=torch.int64)
+            share_EM = torch.zeros(p.num_experts, M, dtype=torch.float64)
+            S = self.slots_per_rank
+            for g, copies in enumerate(p.copies):
+                total = sum(c.share for c in copies)
+                for i, c in enumerate(copies):
+                    slot_EM[g, i] = c.rank * S + c.slot
+                    share_EM[g, i] = c.share if total > 0 else float(i == 0)
+            t = self._tables[device] = (slot_EM.to(device), share_EM.to(device))
+        return t
+
+    def route_slots(self, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None) -> torch.Tensor:
+        """The slot id of every route, [T, K] like ``expert_ids_TK``: expert g's kept routes,
+        in token order, split among g's copies with ``split_counts`` of the planned shares
+        (the first copy's share first). Dropped routes keep g's first copy (never sent)."""
+        slot_EM, share_EM = self._device_tables(expert_ids_TK.device)
+        ids_N = expert_ids_TK.reshape(-1).long()
+        kept_N = torch.ones_like(ids_N, dtype=torch.bool) if dropped_TK is None else ~dropped_TK.reshape(-1)
+        E = self.num_experts
+        counts_E = torch.zeros(E, dtype=torch.int64, device=ids_N.device).index_add_(0, ids_N, kept_N.long())
+        per_copy_EM = split_counts_device(counts_E, share_EM)
+        ends_EM = per_copy_EM.cumsum(1)
+        # position of each kept route among its expert's kept routes, in token order
+        key_N = torch.where(kept_N, ids_N, ids_N.new_full((), E))
+        order = torch.sort(key_N, stable=True).indices
+        starts_E = torch.cumsum(counts_E, 0) - counts_E
+        pos_N = torch.empty_like(ids_N)
+        pos_N[order] = torch.arange(ids_N.numel(), device=ids_N.device)
+        pos_N = pos_N - torch.where(kept_N, starts_E[ids_N], pos_N.new_zeros(()))
+        copy_N = (pos_N.unsqueeze(1) >= ends_EM[ids_N]).sum(1).clamp_(max=slot_EM.shape[1] - 1)
+        copy_N = torch.where(kept_N, copy_N, torch.zeros_like(copy_N))
+        return slot_EM[ids_N, copy_N].view_as(expert_ids_TK)
+
+    # ---- weights -> slots -----------------------------------------------------------------
+    def slot_weights(self, params: tuple) -> tuple:
+        """``GroupedExperts.weights()`` for the local experts [L, ...] -> the same for this
+        rank's S slots [S, ...] (None entries stay None)."""
+        present = [p for p in params if p is not None]
+        group = self.state.ep_group if self.map.moves_weights else None
+        out = iter(_SlotWeights.apply(self.map, group, self.stats, *present))
+        return tuple(None if p is None else next(out) for p in params)
+
+    def record_load(self, tokens_per_expert: torch.Tensor) -> None:
+        """Add one training forward's routes per logical expert (device, no host read)."""
+        counts = tokens_per_expert.detach().to(torch.int64)
+        self.loads_E = counts.clone() if self.loads_E is None else self.loads_E + counts
+
+
+def split_counts_device(counts_E: torch.Tensor, share_EM: torch.Tensor) -> torch.Tensor:
+    """``placement.split_counts`` for every expert at once, on the device: [E, M] routes per
+    copy. floor(count x share / sum(shares)) each (float64, the host's arithmetic), then the
+    leftovers one each to the largest remainders, ties to the earlier copy."""
+    total_E = share_EM.sum(1, keepdim=True)
+    exact = counts_E.unsqueeze(1).double() * share_EM / torch.where(total_E > 0, total_E, torch.ones_like(total_E))
+    floor = torch.minimum(exact.floor(), counts_E.unsqueeze(1).double())
+    left_E = counts_E - floor.sum(1).long()
+    rem = exact - floor
+    M = share_EM.shape[1]
+    idx = torch.arange(M, device=share_EM.device)
+    # rank of copy i among the copies by (-remainder, index)
+    ahead = (rem.unsqueeze(1) > rem.unsqueeze(2)) | ((rem.unsqueeze(1) == rem.unsqueeze(2))
+                                                      & (idx.view(1, 1, M) < idx.view(1, M, 1)))
+    rank_EM = ahead.sum(2)
+    return floor.long() + (rank_EM < left_E.unsqueeze(1)).long()
+
+
+class _SlotWeights(torch.autograd.Function):
+    """Forward: this rank's slot weights [S, ...] from the owners' [L, ...] (one all-to-all
+    of the remote copies over the EP group, packed); backward: the copies' gradients back to
+    their owners (one all-to-all), summed with the local slots' into the owners' gradients."""
+
+    @staticmethod
+    def forward(ctx, smap: SlotMap, group, stats, *params):
+        L = smap.owned
+        ctx.smap, ctx.group, ctx.stats = smap, group, stats
+        ctx.shapes = [p.shape[1:] for p in params]
+        flat_LP = torch.cat([p.detach().reshape(L, -1) for p in params], 1)
+        parts = [flat_LP]
+        if group is not None:
+            send = flat_LP[list(smap.send_local)]
+            parts.append(comm.all_to_all_rows(send, group, smap.recv_splits, smap.send_splits, stats=stats))
+        src = torch.tensor(smap.slot_source, dtype=torch.int64, device=flat_LP.device)
+        slots_SP = torch.cat(parts)[src]
+        return tuple(_unflatten(slots_SP, ctx.shapes))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        smap, L = ctx.smap, ctx.smap.owned
+        S = len(smap.slot_source)
+        like = next(g for g in grads if g is not None)
+        g_SP = torch.cat([(torch.zeros((S, *shape), dtype=like.dtype, device=like.device) if g is None else g)
+                          .reshape(S, -1) for g, shape in zip(grads, ctx.shapes)], 1)
+        src = list(smap.slot_source)
+        home = [i for i, s in enumerate(src) if s < L]
+        g_LP = torch.zeros((L, g_SP.shape[1]), dtype=g_SP.dtype, device=g_SP.device)
+        g_LP.index_add_(0, torch.tensor([src[i] for i in home], dtype=torch.int64, device=g_SP.device), g_SP[home])
+        if ctx.group is not None:
+            remote = sorted((s - L, i) for i, s in enumerate(src) if s >= L)   # received-row order
+            g_recv = g_SP[[i for _, i in remote]]
+            back = comm.all_to_all_rows(g_recv, ctx.group, smap.send_splits, smap.recv_splits, backward=True,
+                                        stats=ctx.stats)
+            g_LP.index_add_(0, torch.tensor(smap.send_local, dtype=torch.int64, device=g_SP.device), back)
+        return (None, None, None, *_unflatten(g_LP, ctx.shapes))
+
+
+def _unflatten(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
+    out, at = [], 0
+    for shape in shapes:
+        n = 1
+        for d in shape:
+            n *= d
+        out.append(flat[:, at:at + n].reshape(flat.shape[0], *shape))
+        at += n
+    return out
