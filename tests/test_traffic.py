@@ -85,3 +85,51 @@ def test_recorded_collectives_equal_the_table(names):
             size_of = {"moe": s.block, "ep": s.ep, "etp": s.etp, "tp": s.tp, **sizes}
             want = sorted((c.op, size_of[c.group], c.phase, int(c.nbytes)) for c in table)
             assert collections.Counter(events) == collections.Counter(want), (name, events, want)
+
+
+# ---- expert replication (issue 34): the two replica rows --------------------------------
+
+def replica_shape(placement, ep_rank: int, expert_slice_numel: int, param_bytes: int) -> dict:
+    """The LayerShape fields of a layer with redundant experts, for EP rank ``ep_rank``: pass
+    them with the rest (``LayerShape(**shape, **replica_shape(moe.placement, state.ep_rank,
+    numel, 4))``). ``expert_slice_numel``: parameters of one expert's slice on this rank (w1,
+    w3 if gated, w2, biases); ``placement``: ``moe.placement`` (None: no replication)."""
+    if placement is None:
+        return {}
+    from moepar.cost.replication import replica_sent
+    return dict(redundant_experts=placement.redundant_experts, replica_sent=replica_sent(placement, ep_rank),
+                expert_bytes=expert_slice_numel * param_bytes)
+
+
+def _shape(**kw):
+    base = dict(tp=1, ep=4, etp=1, sp=False, T=6, D=8, K=2, E=8, rows=12, etp_rows=12, b=4, b_dispatch=4,
+                b_combine=4)
+    return LayerShape(**{**base, **kw})
+
+
+@pytest.mark.parametrize("extra", [dict(), dict(tp=2, shared=True), dict(etp=2, etp_rows=24), dict(dedup=True)])
+def test_replication_adds_exactly_two_rows_and_keeps_every_other(extra):
+    from moepar.moe.placement import plan_placement
+    plain = layer_collectives(_shape(**extra))
+    p = plan_placement([8, 1, 1, 1, 4, 1, 1, 1], 8, 4, 4)
+    rep_fields = replica_shape(p, 0, expert_slice_numel=3 * 8 * 16, param_bytes=4)
+    rep = layer_collectives(_shape(**extra, **rep_fields))
+    assert [c for c in rep if not c.name.startswith("MoE replica")] == plain
+    added = [c for c in rep if c.name.startswith("MoE replica")]
+    sent = rep_fields["replica_sent"]
+    assert sent >= 1   # expert 0, the hottest, lives on rank 0 and is copied elsewhere
+    assert [(c.name, c.op, c.group, c.phase, c.step, c.nbytes) for c in added] == [
+        ("MoE replica weights", "all_to_all", "ep", "fwd", "8", sent * 3 * 8 * 16 * 4),
+        ("MoE replica grads", "all_to_all", "ep", "bwd", "8", sent * 3 * 8 * 16 * 4)]
+    # in the order they run: after the dispatch (and ETP gather), before the combine
+    names = [c.name for c in rep if c.phase == "fwd"]
+    assert names.index("MoE dispatch") < names.index("MoE replica weights") < names.index("MoE combine")
+
+
+def test_replication_rows_are_issued_with_zero_bytes_and_not_without_an_ep_group():
+    rows = layer_collectives(_shape(redundant_experts=4, replica_sent=0, expert_bytes=1000))
+    assert [(c.name, c.nbytes) for c in rows if "replica" in c.name] == [("MoE replica weights", 0.0),
+                                                                           ("MoE replica grads", 0.0)]
+    assert not [c for c in layer_collectives(_shape(ep=1, redundant_experts=4, replica_sent=2, expert_bytes=10))
+                if "replica" in c.name]
+    assert replica_shape(None, 0, 10, 4) == {}

@@ -66,6 +66,7 @@ from .hardware import Hardware
 from .compute import Flops, Memory, count_flops, memory_per_rank
 from .model import (DTYPE_BYTES, CostLayout, MoESpec, Params, Routes, check_fits, count_params, dedup_fraction,
                     routes_per_rank)
+from .replication import expert_slice_params, replica_plan
 
 INT64 = 8
 FP32 = 4
@@ -132,12 +133,17 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
     def add(name, op, group, phase, nbytes, formula, count=1):
         algo = a2a_algo if op == "all_to_all" else ar_algo if op == "all_reduce" else "ring"
         pl = layout.placement(group)
-        algo = hw.resolve_algo(op, pl, nbytes, algo)
+        # the replica all-to-all sends nothing to the rank itself: all its bytes cross links
+        wire = nbytes * pl.size / (pl.size - 1) if name.startswith("MoE replica") else nbytes
+        algo = hw.resolve_algo(op, pl, wire, algo)
         calls.append(Call(name, op, algo, group, pl.size, phase, float(nbytes), count,
-                          hw.collective_time(op, pl, nbytes, algo), sent_bytes(op, pl, nbytes, algo),
+                          hw.collective_time(op, pl, wire, algo), sent_bytes(op, pl, wire, algo),
                           formula))
 
     f = dedup_fraction(spec, layout)
+    # Expert replication: the busiest EP rank's copies (sent or received) bound the replica
+    # all-to-all; every rank is priced as that one (moepar.cost.replication).
+    copies = replica_plan(spec, layout).busiest_copies if spec.redundant_experts else 0
     aux_group = aux_group_name(spec.aux_scope, sp) if spec.aux_loss or spec.z_loss else None
     # The MoE layer's own collectives: the layer's table (moepar.moe.traffic), balanced
     # (every rank sends and receives the busiest rank's R rows; dedup: R·f of them).
@@ -146,7 +152,8 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                      b_combine=w.combine, dedup=f is not None, padded=spec.pad_to_capacity,
                      shared=bool(spec.shared_experts), aux_group=aux_group, aux_loss=bool(spec.aux_loss),
                      z_loss=bool(spec.z_loss), fp8_dispatch=w.dispatch == DTYPE_BYTES["fp8"],
-                     fp8_combine_grad=spec.combine_grad_dtype == "fp8")
+                     fp8_combine_grad=spec.combine_grad_dtype == "fp8", redundant_experts=spec.redundant_experts,
+                     replica_sent=copies, expert_bytes=expert_slice_params(spec, etp) * w.param)
     sizes = {g: layout.size(g) for g in ("moe", "ep", "etp", "tp", "dp", "world")}
     for phase in ("fwd", "bwd"):
         # attention block, Megatron tensor parallel

@@ -15,15 +15,13 @@ import os
 import sys
 from typing import Callable
 
-from .accounting import DEFAULT_COMPUTE_EFFICIENCY
-from .collectives import ALGOS, OPS
-from .architectures import MODEL_TYPES, spec_fields_from_file
-from .hardware import PRESETS, Hardware, get_hardware, save_profile
-from .model import MODELS, CostLayout, MoESpec, imbalance_from_counts
-from .schedules import SCHEDULES, default_vp
+from .cli_args import (MODEL_FIELDS, _int_list, _positive_arg, add_hw_args, add_model_args,  # noqa: F401
+                       add_pipeline_args, hardware_from_args, redundant_list, spec_from_args)
+from .collectives import OPS
+from .hardware import PRESETS, save_profile
+from .model import CostLayout
+from .schedules import default_vp
 from .units import fmt_bytes, fmt_time
-
-MODEL_FIELDS = ("hidden", "ffn", "experts", "topk", "layers", "heads", "kv_heads", "vocab")
 
 
 def _guard(fn: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser, argv) -> int:
@@ -57,147 +55,6 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
-
-
-# ---- model / layout / hardware arguments -----------------------------------------------
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("model")
-    g.add_argument("--model", choices=sorted(MODELS), help="a public configuration (explicit flags override it)")
-    g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (model types: "
-                                                       f"{', '.join(MODEL_TYPES)}); explicit flags override it")
-    g.add_argument("--hidden", type=int, help="D, model width")
-    g.add_argument("--ffn", type=int, help="F, expert hidden width")
-    g.add_argument("--experts", type=int, help="E, experts per layer")
-    g.add_argument("--topk", type=int, help="K, experts per token")
-    g.add_argument("--tokens", type=int, default=8192, help="T, tokens per micro-batch per TP group (default 8192)")
-    g.add_argument("--dtype", default="bf16", help="activation and weight dtype: bf16 fp16 fp32 fp8")
-    g.add_argument("--capacity-factor", type=float, help="capacity mode (default: dropless)")
-    g.add_argument("--min-capacity", type=int, default=4)
-    g.add_argument("--pad-to-capacity", action="store_true", help="send E·C rows whatever the routing")
-    g.add_argument("--shared-experts", type=int, help="default 0, or the --model's / --hf-config's")
-    g.add_argument("--shared-ffn", type=int, help="shared experts' ffn (default --ffn)")
-    g.add_argument("--plain-mlp", action="store_true", help="2-matrix experts instead of SwiGLU's 3")
-    g.add_argument("--layers", type=int, help="transformer blocks (default 1, or the --model's)")
-    g.add_argument("--heads", type=int)
-    g.add_argument("--kv-heads", type=int)
-    g.add_argument("--vocab", type=int, help="vocabulary (embeddings and output layer)")
-    g.add_argument("--seq-len", type=int, help="adds attention-score FLOPs")
-    g.add_argument("--imbalance", type=float, default=1.0, help="max/mean routes per EP rank (>= 1)")
-    g.add_argument("--routing-counts", help="measured tokens per expert, comma-separated or a file: "
-                                            "sets --imbalance for the layout's ep")
-    g.add_argument("--micro-batches", "--microbatches", dest="micro_batches", type=int, default=1,
-                   help="micro-batches per step (gradient accumulation; with --pp the pipeline's M)")
-    g.add_argument("--dedup", choices=("auto", "on", "off"), default="auto",
-                   help="dispatch one row per token and EP rank (auto: as the layer, when the expected rows "
-                        "are at most 0.3 of the routes under uniform routing)")
-    g.add_argument("--dispatch-dtype", help="dtype of the dispatched rows (default: fp8 with --dtype fp8, else --dtype)")
-    g.add_argument("--combine-dtype", help="dtype of the combined rows (default: bf16 with --dtype fp8, else --dtype)")
-    g.add_argument("--combine-grad-dtype", choices=["fp8"], default=None,
-                   help="fp8: the combine's gradient, sent back to the experts' ranks, in FP8 too "
-                        "(the layer's combine_grad_dtype; default: the combined rows' dtype)")
-
-
-def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
-    g = p.add_argument_group("hardware")
-    g.add_argument("--hardware", default=default,
-                   help=f"preset ({', '.join(sorted(PRESETS))}) or a calibrated JSON profile (default {default})")
-    g.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
-    g.add_argument("--nics-per-node", type=int, help="default: the hardware's NICs per GPU x --gpus-per-node")
-    g.add_argument("--compute-efficiency", type=float,
-                   help=f"fraction of the peak FLOP rate reached (default {DEFAULT_COMPUTE_EFFICIENCY} on a preset: "
-                        f"published MFU of Megatron-Core on H100 is up to 47%%; 1.0 on a calibrated profile, "
-                        f"whose rate is measured)")
-    g.add_argument("--a2a", choices=ALGOS["all_to_all"], default="pairwise", help="all-to-all algorithm")
-    g.add_argument("--allreduce", choices=ALGOS["all_reduce"], default="auto",
-                   help="all-reduce algorithm (default auto: the fastest of ring, tree, NVLS at each size, as NCCL)")
-
-
-def add_pipeline_args(g, search: bool = False) -> None:
-    if search:
-        g.add_argument("--pp", help="pipeline sizes to consider, comma-separated (default: every divisor of "
-                                    "--gpus with pp x vp <= layers)")
-    else:
-        g.add_argument("--pp", type=int, default=1, help="pipeline stages (consecutive ranks; default 1)")
-    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
-                   help="torch.distributed.pipelining schedule (default 1f1b): gpipe, 1f1b, interleaved "
-                        "(Interleaved1F1B), zb (InterleavedZeroBubble), zbv (ZBVZeroBubble), dualpipev (DualPipeV)")
-    g.add_argument("--vp", type=int, help="stages per rank (virtual pipeline; default 2 for interleaved, zb, "
-                                          "zbv and dualpipev, else 1)")
-
-
-def _positive_arg(name: str, v) -> None:
-    if v is not None and v < 1:
-        raise ValueError(f"{name}={v} must be >= 1")
-
-
-def hardware_from_args(a: argparse.Namespace) -> Hardware:
-    """--hardware with --gpus-per-node / --nics-per-node applied (validated, never defaulted
-    silently: 0 is refused, not read as "unset")."""
-    hw = get_hardware(a.hardware)
-    _positive_arg("--gpus-per-node", a.gpus_per_node)
-    _positive_arg("--nics-per-node", a.nics_per_node)
-    if a.gpus_per_node is None and a.nics_per_node is None:
-        return hw
-    gpn = hw.gpus_per_node if a.gpus_per_node is None else a.gpus_per_node
-    return hw.with_gpus_per_node(gpn, a.nics_per_node)
-
-
-def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
-    if a.model and getattr(a, "hf_config", None):
-        raise ValueError("pass --model or --hf-config, not both")
-    base = dict(MODELS[a.model]) if a.model else {}
-    if getattr(a, "hf_config", None):
-        base = spec_fields_from_file(a.hf_config)
-    for k in MODEL_FIELDS:
-        if getattr(a, k) is not None:
-            base[k] = getattr(a, k)
-    missing = [f"--{k}" for k in ("hidden", "ffn", "experts", "topk") if k not in base]
-    if missing:
-        raise ValueError(f"missing {', '.join(missing)} (or pass --hf-config, or --model, one of: "
-                         f"{', '.join(sorted(MODELS))})")
-    imbalance = a.imbalance
-    if not (math.isfinite(imbalance) and imbalance >= 1):
-        raise ValueError(f"--imbalance {imbalance} must be a finite number >= 1 (max/mean routes per EP rank)")
-    if a.routing_counts:
-        imbalance = _imbalance_from_file(a.routing_counts, base["experts"], ep)
-    for k, v in (("shared_experts", a.shared_experts), ("shared_ffn", a.shared_ffn)):
-        if v is not None:
-            base[k] = v
-    if a.plain_mlp:
-        base["gated"] = False
-    return MoESpec(tokens=a.tokens, dtype=a.dtype, capacity_factor=a.capacity_factor,
-                   min_capacity=a.min_capacity, pad_to_capacity=a.pad_to_capacity,
-                   seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches,
-                   dedup=getattr(a, "dedup", "auto"), dispatch_dtype=getattr(a, "dispatch_dtype", None),
-                   combine_dtype=getattr(a, "combine_dtype", None),
-                   combine_grad_dtype=getattr(a, "combine_grad_dtype", None), **base)
-
-
-def _imbalance_from_file(text: str, experts: int, ep: int) -> float:
-    """--routing-counts: comma-separated counts or a file of them, one per expert."""
-    if "," not in text:
-        if not os.path.isfile(text):
-            raise ValueError(f"--routing-counts {text!r} is neither a comma-separated list nor an existing file")
-        with open(text) as f:
-            text = f.read().replace("\n", ",")
-    try:
-        counts = [float(x) for x in text.replace(" ", ",").split(",") if x.strip()]
-    except ValueError:
-        raise ValueError("--routing-counts: the counts must be numbers (tokens per expert)") from None
-    if len(counts) != experts:
-        raise ValueError(f"--routing-counts has {len(counts)} counts; the model has experts={experts} "
-                         f"(one count per expert)")
-    if not all(math.isfinite(c) and c >= 0 for c in counts):
-        raise ValueError("--routing-counts: every count must be a finite number >= 0")
-    return imbalance_from_counts(counts, ep)
-
-
 # ---- report ---------------------------------------------------------------------------
 
 def _report(a: argparse.Namespace) -> int:
@@ -211,8 +68,12 @@ def _report(a: argparse.Namespace) -> int:
     spec = spec_from_args(a, layout.ep)
     for w in layout.warnings():
         print(f"warning: {w}", file=sys.stderr)
+    if len(redundant_list(a)) > 1:
+        raise ValueError(f"--redundant-experts {a.redundant_experts!r}: report prices one R (recommend takes a list)")
     cost = step_cost(spec, layout, hw, a.compute_efficiency, a.a2a, a.allreduce)
-    rep = build_report(cost, _int_list(a.compare_sizes) if a.compare_sizes else None, a.allreduce)
+    base = (step_cost(spec.replace(redundant_experts=0), layout, hw, a.compute_efficiency, a.a2a, a.allreduce)
+            if spec.redundant_experts else None)
+    rep = build_report(cost, _int_list(a.compare_sizes) if a.compare_sizes else None, a.allreduce, base)
     print(render_text(rep))
     for path, text in ((a.markdown, render_markdown), (a.json, to_json)):
         if path:
@@ -252,10 +113,9 @@ def _recommend(a: argparse.Namespace) -> int:
     from .compare import recommend
     from ..tables import format_table
     check_output_path(a.json, "--json")
-    if a.routing_counts:
-        raise ValueError("--routing-counts depends on ep; pass --imbalance to recommend")
     hw = hardware_from_args(a)
-    spec = spec_from_args(a)
+    spec = spec_from_args(a).replace(redundant_experts=0)
+    redundant = redundant_list(a)
     zero = _int_list(a.zero)
     bad = [z for z in zero if z not in (0, 1, 2, 3)]
     if bad or not zero:
@@ -278,7 +138,7 @@ def _recommend(a: argparse.Namespace) -> int:
     find = parse_find(a.find) if a.find else None
     skipped: list = []
     cands = recommend(spec, a.gpus, hw, None, mem, a.global_tokens, a.compute_efficiency,
-                      zero, a.cross_node_tp, a.a2a, a.allreduce, pps, a.schedule, vp, skipped)
+                      zero, a.cross_node_tp, a.a2a, a.allreduce, pps, a.schedule, vp, skipped, redundant)
     if not cands:
         raise ValueError(f"no layout of {a.gpus} GPUs divides the model (experts={spec.experts}, "
                          f"hidden={spec.hidden}, tokens={spec.tokens})")
@@ -294,7 +154,8 @@ def _recommend(a: argparse.Namespace) -> int:
                      "comm_s": cost.comm_per_step, "compute_s": cost.compute_per_step,
                      "step_s": cost.step_time_overlapped, "step_no_overlap_s": cost.step_time,
                      "mfu": cost.mfu(True), "mfu_no_overlap": cost.mfu(),
-                     "tokens_per_s_per_gpu": cost.tokens_per_second_per_gpu(True)})
+                     "tokens_per_s_per_gpu": cost.tokens_per_second_per_gpu(True),
+                     "redundant_experts": cost.spec.redundant_experts, "imbalance": cost.routes.max / cost.routes.mean})
         rows.append({"#": i, "pp": lay.pp, "tp": lay.tp, "sp": "on" if lay.sp else "off", "ep": lay.ep, "etp": lay.etp,
                      "dp": lay.dp, "edp": lay.edp, "zero": lay.zero,
                      "micro-batches": f"{cost.spec.micro_batches} x {cost.spec.tokens}",
@@ -303,6 +164,10 @@ def _recommend(a: argparse.Namespace) -> int:
                      "no overlap": fmt_time(cost.step_time),
                      "MFU": f"{cost.mfu(True):.1%}", "tokens/s/GPU": f"{cost.tokens_per_second_per_gpu(True):.4g}",
                      "step": fmt_time(cost.step_time_overlapped)})
+        if any(redundant) or spec.expert_loads is not None:   # after "zero": R and the max/mean it reaches
+            rows[-1] = {**{k: rows[-1][k] for k in list(rows[-1])[:9]}, "R": cost.spec.redundant_experts,
+                        "max/mean": f"{cost.routes.max / cost.routes.mean:.3g}",
+                        **{k: rows[-1][k] for k in list(rows[-1])[9:]}}
     mem_text = fmt_bytes(mem or hw.memory_bytes)
     total = fit[0].cost.tokens_per_step if fit else cands[0].cost.tokens_per_step
     print(f"{len(cands)} layouts of {a.gpus} GPUs on {hw.name}; {len(fit)} fit in {mem_text} per GPU; "
@@ -317,6 +182,10 @@ def _recommend(a: argparse.Namespace) -> int:
     if find is not None:
         print()
         print(find_layout(cands, find, a.find, skipped))
+    if any(redundant):
+        from .replication_report import verdict
+        print()
+        print(verdict(cands, hw, a.compute_efficiency, a.a2a, a.allreduce))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(data, f, indent=1)

@@ -203,7 +203,7 @@ def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None 
               compute_efficiency: float | None = None, zero_stages=(0, 1, 2, 3),
               cross_node_tp: bool = False, a2a_algo: str = "pairwise", ar_algo: str = "auto",
               pp_sizes=(1,), schedule: str = "1f1b", vp: int = 1,
-              skipped: list | None = None) -> list[Candidate]:
+              skipped: list | None = None, redundant=(0,)) -> list[Candidate]:
     """Every layout of ``gpus`` ranked by predicted step time with ideal overlap (both
     bounds are on each candidate's ``cost``), those that fit in ``memory_bytes`` first. The
     global batch is fixed at ``global_tokens`` (default ``DEFAULT_GLOBAL_TOKENS`` or
@@ -211,7 +211,9 @@ def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None 
     global / (tokens x dp) micro-batches of ``spec.tokens`` tokens (dp per pipeline stage).
     Pipelined layouts (``pp_sizes``, run by ``schedule``) whose micro-batch count breaks the
     schedule's rule (e.g. 1F1B: at least pp) are left out; ``skipped`` (a list) receives them
-    as (layout, micro-batches, tokens, reason)."""
+    as (layout, micro-batches, tokens, reason). ``redundant``: the redundant-expert counts R
+    to price on each layout, those that fit its ep (R % ep == 0, R <= E x (ep - 1); R = 0
+    always), each a candidate of its own."""
     checks.positive_ints(gpus=gpus, gpus_per_node=gpus_per_node, global_tokens=global_tokens)
     if memory_bytes is not None and not (0 < memory_bytes < math.inf):
         raise ValueError(f"memory_bytes={memory_bytes} must be a finite number > 0")
@@ -231,8 +233,12 @@ def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None 
                 if skipped is not None:
                     skipped.append((layout, s.micro_batches, s.tokens, str(e)))
                 continue
-        cost = step_cost(s, layout, hw, compute_efficiency, a2a_algo, ar_algo)
-        out.append(Candidate(cost, cost.fits))
+        E, ep = s.experts, layout.ep
+        for R in sorted({0, *redundant}):
+            if R and (R % ep or R > E * (ep - 1)):
+                continue
+            cost = step_cost(s.replace(redundant_experts=R), layout, hw, compute_efficiency, a2a_algo, ar_algo)
+            out.append(Candidate(cost, cost.fits))
     # Fitting layouts by overlapped step time (equal times: less memory first), then the
     # rest by memory.
     out.sort(key=lambda c: (not c.fits, _rank_time(c.cost.step_time_overlapped) if c.fits else c.cost.memory.total,

@@ -65,10 +65,12 @@ class Memory:
     grads: float
     optimizer: float
     activations: float
+    replica_weights: float = 0.0   # remote expert copies, every MoE layer, one micro-batch in flight
+    replica_grads: float = 0.0     # their gradient buffers, one MoE layer at a time (backward)
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations
+        return self.weights + self.grads + self.optimizer + self.activations + self.replica_weights + self.replica_grads
 
 
 def activation_bytes(spec: MoESpec, layout: CostLayout, routes: Routes | None = None) -> float:
@@ -104,6 +106,12 @@ def memory_per_rank(spec: MoESpec, layout: CostLayout, params: Params | None = N
     exp_g = p.expert_rank / (layout.edp if z >= 2 else 1)
     dense_o = p.dense_rank / (layout.dp if z >= 1 else 1)
     exp_o = p.expert_rank / (layout.edp if z >= 1 else 1)
+    # Expert replication: the busiest rank's remote slots hold full copies (not ZeRO-sharded),
+    # received every forward and kept for the backward, plus their gradients in the backward.
+    replica = 0.0
+    if spec.redundant_experts:
+        from .replication import expert_slice_params, replica_plan
+        replica = max(replica_plan(spec, layout).received) * expert_slice_params(spec, layout.etp) * pb
     return Memory((dense_w + exp_w) * pb, (dense_g + exp_g) * pb,
                   (dense_o + exp_o) * ADAM_BYTES_PER_PARAM,
-                  activation_bytes(spec, layout, routes))
+                  activation_bytes(spec, layout, routes), spec.moe_layers * replica, replica)

@@ -68,6 +68,11 @@ class MoESpec:
     tie_embeddings: bool = False
     seq_len: int | None = None             # adds 12·n_l·seq·D attention-score FLOPs per token
     imbalance: float = 1.0                 # max/mean routes over EP ranks
+    # -- expert replication (moepar.cost.replication): R extra slots per EP group, planned by
+    # moepar.moe.placement from per-expert loads (None: uniform); with either, the imbalance
+    # is the plan's on each layout's ep, so ``imbalance`` must stay 1 --
+    redundant_experts: int = 0
+    expert_loads: tuple[float, ...] | None = None
     micro_batches: int = 1
     dedup: str = "auto"                    # one dispatch row per token and EP rank: auto | on | off
     dispatch_dtype: str | None = None      # dispatch all-to-alls' rows (default: fp8 for dtype fp8, else dtype)
@@ -124,6 +129,19 @@ class MoESpec:
             raise ValueError(f"capacity_factor={self.capacity_factor} must be > 0 (or None: dropless)")
         if not self.imbalance >= 1.0:
             raise ValueError(f"imbalance={self.imbalance} must be >= 1 (max/mean tokens per rank)")
+        _non_negative(redundant_experts=self.redundant_experts)
+        if self.expert_loads is not None:
+            object.__setattr__(self, "expert_loads", tuple(float(x) for x in self.expert_loads))
+            loads = self.expert_loads
+            if len(loads) != self.experts or not all(math.isfinite(x) and x >= 0 for x in loads) or not sum(loads) > 0:
+                raise ValueError(f"expert_loads has {len(loads)} values; it needs experts={self.experts} finite "
+                                 f"numbers >= 0 with a positive sum (one load per expert)")
+        if self.imbalance != 1.0 and (self.expert_loads is not None or self.redundant_experts):
+            what = ("expert_loads" if self.expert_loads is not None
+                    else f"redundant_experts={self.redundant_experts} (which needs per-expert loads)")
+            raise ValueError(f"imbalance={self.imbalance} cannot be combined with {what}: imbalance is max/mean "
+                             f"routes per EP rank and does not say which experts are hot; give the per-expert "
+                             f"loads instead (--routing-counts or --zipf), the imbalance follows from them")
         if self.dedup not in ("auto", "on", "off"):
             raise ValueError(f"dedup={self.dedup!r} must be one of auto, on, off")
         _positive(head_dim=self.head_dim, dense_ffn=self.dense_ffn, q_lora_rank=self.q_lora_rank,
@@ -411,16 +429,26 @@ class Routes:
     capacity: int | None     # C rows per expert per sender, capacity mode only
 
 
+def layout_imbalance(spec: MoESpec, layout: CostLayout) -> float:
+    """max/mean routes per EP rank on ``layout``: ``spec.imbalance``, or with per-expert loads
+    or redundant experts the placement plan's (``moepar.cost.replication``)."""
+    if spec.expert_loads is None and not spec.redundant_experts:
+        return spec.imbalance
+    from .replication import replica_plan
+    return replica_plan(spec, layout).imbalance
+
+
 def routes_per_rank(spec: MoESpec, layout: CostLayout) -> Routes:
     t_local = spec.tokens // layout.tp
     routes = t_local * spec.topk
+    imbalance = layout_imbalance(spec, layout)
     if spec.dropless:
-        return Routes(t_local, float(routes), routes * spec.imbalance, None)
+        return Routes(t_local, float(routes), routes * imbalance, None)
     cap = max(math.ceil(routes / spec.experts * spec.capacity_factor), spec.min_capacity)
     full = spec.experts * cap   # a receiver gets at most C per local expert from each of ep senders
     if spec.pad_to_capacity:
         return Routes(t_local, float(full), float(full), cap)
-    return Routes(t_local, float(min(routes, full)), float(min(routes * spec.imbalance, full)), cap)
+    return Routes(t_local, float(min(routes, full)), float(min(routes * imbalance, full)), cap)
 
 
 def dedup_fraction(spec: MoESpec, layout: CostLayout) -> float | None:

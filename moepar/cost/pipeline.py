@@ -151,7 +151,8 @@ def stage_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, stage: int,
     cost = priced[sspec]
     keep = in_flight(layout.schedule, layout.pp, spec.micro_batches, layout.vp, stage)
     mem = cost.memory
-    memory = Memory(mem.weights, mem.grads, mem.optimizer, mem.activations * keep)
+    memory = Memory(mem.weights, mem.grads, mem.optimizer, mem.activations * keep, mem.replica_weights * keep,
+                    mem.replica_grads)
     return dataclasses.replace(cost, memory=memory, p2p=tuple(p2p_calls(sspec, layout, hw, stage)),
                                bubble_units=bubble_units(layout.schedule, layout.pp, layout.vp))
 

@@ -15,7 +15,8 @@ from .accounting import StepCost, calls_per_step, step_cost
 from .collectives import Placement
 from .compare import crossover_topk, ep_vs_tp, sweep
 from .hardware import Hardware
-from .model import CostLayout, MoESpec
+from .model import CostLayout, MoESpec, layout_imbalance
+from . import replication_report
 from .units import fmt_bytes, fmt_count, fmt_rate, fmt_time
 
 DEEPSPEED_NOTE = (
@@ -36,9 +37,11 @@ def _group_sizes(gpus: int) -> list[int]:
     return out or [1]
 
 
-def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_algo: str = "auto") -> dict:
+def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_algo: str = "auto",
+                 baseline: StepCost | None = None) -> dict:
     """Everything the renderers print, as JSON-able data (seconds, bytes, counts);
-    ``ar_algo`` is the all-reduce algorithm of the EP-vs-TP table (as ``--allreduce``)."""
+    ``ar_algo`` is the all-reduce algorithm of the EP-vs-TP table (as ``--allreduce``);
+    ``baseline``: the same layout without replication, for a spec with redundant experts."""
     s, lay, hw, p, f, m, r = (cost.spec, cost.layout, cost.hardware, cost.params, cost.flops,
                               cost.memory, cost.routes)
     L, mb = s.layers, s.micro_batches
@@ -87,7 +90,9 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
                    "embeddings": p.embeddings, "total": p.total, "active": p.active,
                    "rank_dense": p.dense_rank, "rank_expert": p.expert_rank, "rank": p.rank,
                    "deepspeed_style_total": p.rank * lay.tp},
-        "routes": {"local_tokens": r.local_tokens, "mean": r.mean, "max": r.max, "capacity": r.capacity},
+        "routes": {"local_tokens": r.local_tokens, "mean": r.mean, "max": r.max, "capacity": r.capacity,
+                   "imbalance": layout_imbalance(s, lay)},
+        "replication": replication_report.summary(cost, baseline) if baseline is not None else None,
         "flops": {"per_token": f.per_token, "model_per_microbatch": f.model, "rank_mean": f.rank_mean,
                   "rank_max": f.rank_max, "rank_expert_max": f.rank_expert_max,
                   "deepspeed_style_model": f.deepspeed_style, "rank_per_step": f.per_step_rank_max},
@@ -209,7 +214,8 @@ def _header(rep: dict) -> list[str]:
              f"{m['dtype']} layers={rep['pipeline']['model_layers'] if rep['pipeline'] else m['layers']} "
              + ("dropless" if m["capacity_factor"] is None else f"capacity factor {m['capacity_factor']}")
              + (f" shared experts={m['shared_experts']}" if m["shared_experts"] else "")
-             + (f" imbalance={m['imbalance']:.3g}" if m["imbalance"] != 1 else ""),
+             + (f" imbalance={rep['routes']['imbalance']:.3g}" if rep["routes"]["imbalance"] != 1 else "")
+             + (f" redundant experts={m['redundant_experts']}" if m["redundant_experts"] else ""),
              f"layout: {rep['layout']['describe']}",
              f"hardware: {hw['name']}: {hw['description']}; intra {fmt_rate(hw['intra']['bandwidth'])} "
              f"({hw['intra']['name']}), inter {fmt_rate(hw['inter']['bandwidth'])} ({hw['inter']['name']}), "
@@ -221,6 +227,8 @@ def render_text(rep: dict) -> str:
     out = _header(rep)
     for title, rows in _tables(rep):
         out += ["", f"== {title} ==", format_table(rows) if rows else "(none)"]
+    if rep.get("replication"):
+        out += [""] + replication_report.render_summary(rep["replication"])
     if rep["ep_vs_tp"]["crossovers"]:
         out += ["", f"crossovers (group of {rep['ep_vs_tp']['reference_group_size']}): "
                 + "; ".join(rep["ep_vs_tp"]["crossovers"])]
@@ -241,6 +249,9 @@ def render_markdown(rep: dict) -> str:
     out = ["# moepar communication cost report", ""] + [f"- {line}" for line in _header(rep)]
     for title, rows in _tables(rep):
         out += ["", f"## {title}", "", markdown_table(rows)]
+    if rep.get("replication"):
+        title = replication_report.render_summary(rep["replication"])[0].strip("= ")
+        out += ["", f"## {title}", "", markdown_table(replication_report.summary_rows(rep["replication"]))]
     if rep["ep_vs_tp"]["crossovers"]:
         out += ["", "Crossovers: " + "; ".join(rep["ep_vs_tp"]["crossovers"]) + "."]
     out += ["", "> " + rep["notes"][0], ""]

@@ -13,6 +13,14 @@ layer calls; it sets the bytes of the combine all-to-all (forward) and of the di
 gradient all-to-all (backward), both of which send back the rows received. Everything else
 is the model's own arithmetic.
 
+With expert replication (``spec.redundant_experts`` R > 0) every MoE layer's forward issues
+one all-to-all of the remote copies' weights and its backward one of their gradients, each
+sending ``replica_sent(placement, ep_rank)`` expert slices from this rank
+(``moepar.cost.replication``; a layer's ``moe.placement``). ``replica_copies`` is what the run
+counted: those copies summed over every MoE layer forward of the tracked steps (with
+``moepar.rebalance`` the placement, and so the count, changes between steps); the replica rows'
+bytes are then exact, forward and backward alike. Without it they are the model's busiest rank's.
+
 With pipeline stages (``layout.pp > 1``) a rank reports its own stage (``pipeline_stage``):
 the blocks it holds (the runtime splits them evenly over the stages), its stage's groups, and
 its point-to-point sends and receives (op "send"/"recv", group size pp; activations forward,
@@ -24,13 +32,15 @@ import dataclasses
 from typing import Iterable
 
 from ..tables import format_table
-from .accounting import calls_per_step, step_cost
+from .accounting import calls_per_step, step_cost, wire_bytes
 from .pipeline import check_stages, stage_cost
 from .hardware import Hardware
 from .model import CostLayout, MoESpec, dedup_fraction
+from .replication import expert_slice_params
 from .units import fmt_bytes, fmt_time
 
 RECEIVED = ("MoE combine", "MoE dispatch grad")   # calls whose send buffer is the rows received
+REPLICA = ("MoE replica weights", "MoE replica grads")   # each: the copies this rank sends
 
 
 @dataclasses.dataclass
@@ -48,17 +58,23 @@ class RunRow:
 
 
 def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: Iterable, steps: int,
-                received_rows: int | None = None, pipeline_stage: int = 0) -> list[RunRow]:
+                received_rows: int | None = None, pipeline_stage: int = 0,
+                replica_copies: int | None = None) -> list[RunRow]:
     """Rows of (op, group size, phase): the run's calls, bytes and seconds beside the model's
     for ``steps`` steps. The spec is priced as routed (``imbalance`` is ignored: the send side
     is the rank's own routes, the receive side ``received_rows``); with pipeline stages, as
-    the blocks and boundaries of ``pipeline_stage``, this rank's stage."""
+    the blocks and boundaries of ``pipeline_stage``, this rank's stage. ``replica_copies``:
+    expert slices this rank sent in the replica all-to-alls, summed over the run's MoE layer
+    forwards (``replica_copies_per_forward`` per forward); the gradients send as many back."""
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     if not (isinstance(pipeline_stage, int) and 0 <= pipeline_stage < layout.pp):
         raise ValueError(f"pipeline_stage={pipeline_stage!r} must be a stage index in 0..{layout.pp - 1} "
                          f"(pp={layout.pp})")
-    spec = spec.replace(imbalance=1.0)
+    if replica_copies is not None and (not spec.redundant_experts or replica_copies < 0):
+        raise ValueError(f"replica_copies={replica_copies!r} needs spec.redundant_experts > 0 "
+                         f"(got {spec.redundant_experts}) and a count >= 0")
+    spec = spec.replace(imbalance=1.0, expert_loads=None)
     rows: dict[tuple, RunRow] = {}
 
     def row(op, n, phase):
@@ -81,7 +97,13 @@ def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: I
         k = calls_per_step(c, spec) * steps
         r = row(c.op, c.group_size, "fwd" if c.phase == "step" else c.phase)
         r.model_calls += k
-        if exact_rows and c.name in RECEIVED:
+        if replica_copies is not None and c.name in REPLICA:
+            nbytes = replica_copies * expert_slice_params(spec, layout.etp) * wire_bytes(spec).param
+            r.model_bytes += nbytes
+            # all of it to peers: the time of an all-to-all whose (n-1)/n share it is
+            wire = nbytes / max(k, 1) * c.group_size / (c.group_size - 1)
+            r.model_seconds += k * hardware.collective_time(c.op, layout.placement(c.group), wire, c.algo)
+        elif exact_rows and c.name in RECEIVED:
             nbytes = received_rows * spec.hidden * spec.b
             r.model_bytes += nbytes
             r.model_seconds += k * hardware.collective_time(c.op, layout.placement(c.group), nbytes / k, c.algo)

@@ -48,7 +48,14 @@ class LayerShape:
     ``received`` (M): the rows it receives there (None: R, balanced), which it
     sends back in the combine; ``etp_rows``: the rows its expert-TP group gathers (etp x rows when
     balanced); b bytes per activation element, ``b_dispatch`` / ``b_combine`` per element of
-    the rows sent out / back."""
+    the rows sent out / back.
+
+    Expert replication (``redundant_experts`` R > 0, docs/routing.md "Expert replication"):
+    every forward issues one all-to-all in the EP group carrying the remote copies' weights,
+    and its backward one carrying their gradients back to the owners (docs/moe.md step 8);
+    ``replica_sent``: the copies of this rank's home experts held on other EP ranks (what it
+    sends each way; 0 still joins the call), ``expert_bytes``: bytes of one expert's slice
+    on this rank (w1, w3 if gated, w2 and biases, expert-TP sliced, in the parameter dtype)."""
 
     tp: int
     ep: int
@@ -72,6 +79,9 @@ class LayerShape:
     received: float | None = None
     fp8_dispatch: bool = False
     fp8_combine_grad: bool = False
+    redundant_experts: int = 0
+    replica_sent: float = 0.0
+    expert_bytes: float = 0.0
 
     @property
     def block(self) -> int:
@@ -132,6 +142,9 @@ def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
         b_etp = s.b_combine if s.fp8_dispatch else s.b_dispatch   # FP8 rows are dequantized first
         add("6", "expert-TP gather rows", "all_gather", "etp", phase, s.etp_rows * D * b_etp,
             f"etp·M·D·{bc if s.fp8_dispatch else bd}")
+        if s.redundant_experts > 0:   # the remote copies' weights out, their gradients back
+            add("8", "MoE replica weights" if fwd else "MoE replica grads", "all_to_all", "ep", phase,
+                s.replica_sent * s.expert_bytes, "copies·P_slice·b_w")
         add("9", "expert-TP reduce-scatter", "reduce_scatter", "etp", phase, s.etp_rows * D * s.b_combine,
             f"etp·M·D·{bc}")
         add("9", "MoE combine" if fwd else "MoE dispatch grad", "all_to_all", "ep", phase,
