@@ -42,6 +42,7 @@ class GPTConfig:
     checkpoint_activations: bool = False
     cpu_source_major: bool = False  # MoEConfig.cpu_source_major: a CPU/gloo-only speed option
     dispatch_dtype: str | None = None   # MoEConfig.dispatch_dtype: "fp8" for FP8 dispatch rows
+    redundant_experts: int = 0   # MoEConfig.redundant_experts: copies of hot experts (moepar.rebalance)
     init_seed: int = 1234
 
     def __post_init__(self):
@@ -120,7 +121,7 @@ class Block(nn.Module):
                 expert_tensor_parallel_size=state.etp_size,
                 sequence_parallel=cfg.sequence_parallel, state=state, init_seed=seed + 50, init_std=0.02,
                 checkpoint_experts=cfg.checkpoint_activations, cpu_source_major=cfg.cpu_source_major,
-                dispatch_dtype=cfg.dispatch_dtype)
+                dispatch_dtype=cfg.dispatch_dtype, redundant_experts=cfg.redundant_experts)
         else:
             self.ffn = DenseMLP(cfg, state, seed + 50)
 

@@ -87,6 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--dispatch-dtype", choices=["fp8"], default=None,
                    help="fp8: the dispatch all-to-all's rows in FP8 with a fp32 scale per 128 channels "
                         "(DeepSeek-V3's recipe; the layer's dispatch_dtype option)")
+    g.add_argument("--redundant-experts", type=int, default=0,
+                   help="extra expert slots per EP group holding copies of hot experts (the layer's "
+                        "redundant_experts option; divisible by --ep)")
+    g.add_argument("--rebalance-every", type=int, default=0,
+                   help="re-place the copies from the measured load every N steps (moepar.rebalance; 0: never)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300)
     g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
@@ -157,7 +162,8 @@ def build(args, device):
                     aux_loss_coeff=args.aux_loss_coeff, z_loss_coeff=args.z_loss_coeff,
                     sequence_parallel=args.sequence_parallel,
                     checkpoint_activations=args.checkpoint_activations, init_seed=args.seed,
-                    cpu_source_major=args.cpu_source_major, dispatch_dtype=args.dispatch_dtype)
+                    cpu_source_major=args.cpu_source_major, dispatch_dtype=args.dispatch_dtype,
+                    redundant_experts=args.redundant_experts)
     if args.pp == 1:
         model = GPT(cfg, state).to(device)
         if args.fsdp:
@@ -193,6 +199,9 @@ def _autocast(device):
 
 def train(args) -> dict:
     """Run training; returns the metrics dict (also written to <out>/metrics.json by rank 0)."""
+    if args.rebalance_every < 0 or (args.rebalance_every and not args.redundant_experts):
+        raise ValueError(f"--rebalance-every {args.rebalance_every} needs --redundant-experts R > 0 and a "
+                         f"period >= 0 (the copies are what a rebalance re-places)")
     device = setup_distributed(args.timeout_seconds)
     corpus = load_corpus(args.data, args.context)
     state, cfg, model, opt = build(args, device)
@@ -216,6 +225,7 @@ def train(args) -> dict:
         extra = checkpoint.load(path, model, opt, extra_keys=("step", "metrics"), state=state, rng=True)
         start, metrics = extra["step"], extra["metrics"]
         metrics["resumed_at"] = start
+        _restore_replicas(model, metrics.get("replicas"))
         log(f"resumed from {path} (step {start})")
     all_events: list[comm.CommEvent] = []
     rows_in = _watch_expert_rows(model)  # rows each MoE layer's experts got (the report's routing input)
@@ -238,6 +248,9 @@ def train(args) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
             loss = _mean_over_dp(ce, state)
+            if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
+                for r in moepar.rebalance(model):
+                    metrics.setdefault("rebalances", []).append((step + 1, r.layer, r.before, r.after))
         dt = time.perf_counter() - t0
         all_events.extend(events.events)
         received_rows += sum(rows_in.values())
@@ -266,13 +279,35 @@ def train(args) -> dict:
                 f"allreduce {by_op['all_reduce']:.0f} allgather+rs {by_op['all_gather'] + by_op['reduce_scatter']:.0f}"
                 f" compute {(dt - events.seconds()) * 1e3:.0f}")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
+            metrics["replicas"] = _replica_state(model)
             checkpoint.save_checkpoint(ckpt_dir, step + 1, model, opt, {"metrics": metrics}, state)
     metrics["wall_seconds"] = time.perf_counter() - t_start
     if args.steps > start:
+        metrics["replicas"] = _replica_state(model)
         checkpoint.save_checkpoint(ckpt_dir, args.steps, model, opt, {"metrics": metrics}, state)
     metrics["received_rows"] = received_rows
     _finish(args, cfg, state, model, metrics, all_events, device, log)
     return metrics
+
+
+def _replica_state(model) -> dict:
+    """{MoE layer name: (slot map, routes counted since the last rebalance)} for the layers
+    with copies: saved with the metrics so that a resumed run places and rebalances as the
+    uninterrupted one (the checkpointed parameters are the logical experts alone)."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, moepar.MoE) and m.replicas is not None:
+            loads = m.replicas.loads_E
+            out[name] = (m.placement, None if loads is None else loads.tolist())
+    return out
+
+
+def _restore_replicas(model, saved: dict | None) -> None:
+    for name, m in model.named_modules():
+        if saved and name in saved and isinstance(m, moepar.MoE) and m.replicas is not None:
+            placement, loads = saved[name]
+            m.replicas.set_placement(placement)
+            m.replicas.loads_E = None if loads is None else torch.tensor(loads, device=m.router.weight.device)
 
 
 def _resume_path(args, ckpt_dir: str) -> str | None:

@@ -132,7 +132,7 @@ def _train(state, R, steps, fsdp):
         y = model(x)
         ((y * g).sum() + moepar.aux_loss(model)).backward()
         if first is None:
-            first = (y.detach().clone(), x.grad.clone())
+            first = (y.detach().clone(), x.grad.clone(), moepar.load_report(model).rows[0])
         if not fsdp:
             moepar.allreduce_gradients(model, state)
         opt.step()
@@ -145,12 +145,12 @@ def _train(state, R, steps, fsdp):
 
 def _exact(tp, ep, etp, R, fsdp):
     state = moepar.init_parallel(tp, ep, etp, verbose=False)
-    plain, _, (y0, dx0), over0 = _train(state, 0, 3, fsdp)
-    rep, _, (y1, dx1), over1 = _train(state, R, 3, fsdp)
+    plain, _, (y0, dx0, row0), over0 = _train(state, 0, 3, fsdp)
+    rep, _, (y1, dx1, row1), over1 = _train(state, R, 3, fsdp)
     params = {n: float((_local(a) - _local(b)).abs().max())
               for (n, a), (_, b) in zip(plain.named_parameters(), rep.named_parameters())}
     return {"y": float((y0 - y1).abs().max()), "dx": float((dx0 - dx1).abs().max()), "params": params,
-            "overload": (over0, over1), "remote": sum(1 for r, held in enumerate(rep.placement.slots)
+            "overload": (over0, over1), "rows": (row0, row1), "remote": sum(1 for r, held in enumerate(rep.placement.slots)
                                                       for g in held if g // (E // ep) != r),
             "comm": [(e.op, e.backward, e.nbytes) for e in rep.stats.comm.events if e.group_size == ep]}
 
@@ -166,6 +166,9 @@ def test_replicated_layer_trains_as_the_unreplicated_one(tp, ep, etp, R, fsdp):
         # after the first rebalance the hot experts' copies take their share of the rows
         assert over1[-1] < over0[-1], res["overload"]
         assert res["remote"] >= R   # copies live away from their owners: weights did travel
+        row0, row1 = res["rows"]   # load_report: the load before replication, and after it
+        assert row0["unreplicated_overload"] is None
+        assert row1["unreplicated_overload"] == pytest.approx(row0["rank_overload"], rel=1e-12)
 
 
 def _checkpoint_across_r(path, R_save, R_load):

@@ -13,6 +13,7 @@ MODES = {
     "local": "moepar.bench.local",        # permute + grouped experts + unpermute vs the GEMM floor
     "layer": "moepar.bench.layer",        # the whole MoE layer vs floor / plain torch / peers
     "dispatch": "moepar.bench.dispatch",  # all-to-all dispatch vs raw all_to_all_single (torchrun)
+    "replicas": "moepar.bench.replicas",  # expert replication on skewed routing (torchrun)
 }
 SINGLE_PROCESS = ("routing", "local", "layer")
 

@@ -3,13 +3,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
 from torch import nn
 
 from ..tables import format_table
 from .layer import MoE
 
-COLUMNS = ("layer", "expert_overload", "rank_overload", "dropped_fraction", "receive_cap", "max_received",
-           "guard_dropped")
+COLUMNS = ("layer", "expert_overload", "rank_overload", "unreplicated_overload", "dropped_fraction",
+           "receive_cap", "max_received", "guard_dropped")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,6 +43,19 @@ class LoadReport:
         return max(self.rows, key=lambda r: float("-inf") if r[column] is None else r[column])
 
 
+def unreplicated_overload(placement, load_PE) -> float | None:
+    """max / mean over EP ranks of the routes their own experts got ([P, P x S] slot counts
+    summed per logical expert, then per owner); None without a placement."""
+    if placement is None:
+        return None
+    experts = [g for held in placement.slots for g in held]   # global slot -> expert
+    per_expert = torch.zeros(placement.num_experts, dtype=torch.float64)
+    per_expert.index_add_(0, torch.tensor(experts), load_PE.sum(0).double())
+    per_owner = per_expert.view(placement.ep_size, -1).sum(1)
+    mean = float(per_owner.mean())
+    return float(per_owner.max()) / mean if mean > 0 else 0.0
+
+
 def load_report(model: nn.Module) -> LoadReport:
     """The load figures of every ``moepar.MoE`` layer in ``model`` (see ``LoadReport``).
     ValueError when ``model`` holds no MoE layer (on every rank alike: no collective)."""
@@ -56,6 +70,7 @@ def load_report(model: nn.Module) -> LoadReport:
             "layer": name or "(model)",
             "expert_overload": st.expert_overload,
             "rank_overload": st.rank_overload,
+            "unreplicated_overload": None if load is None else unreplicated_overload(m.placement, load.load_PE),
             "dropped_fraction": st.dropped_fraction,
             "receive_cap": None if load is None else load.cap,
             "max_received": None if load is None else int(load.received_PR.max()),
