@@ -230,6 +230,9 @@ def train(args) -> dict:
     all_events: list[comm.CommEvent] = []
     rows_in = _watch_expert_rows(model)  # rows each MoE layer's experts got (the report's routing input)
     received_rows = 0
+    rebalance_calls = 0   # moepar.rebalance calls since the start or the resume (the run report's)
+    replica_returned = 0   # and the copies whose gradients it sent back
+    replica_copies = 0   # expert slices this rank sent in the replica all-to-alls (the run report's)
     tokens_per_step = args.batch_size * args.context
     t_start = time.perf_counter()
     for step in range(start, args.steps):
@@ -238,6 +241,11 @@ def train(args) -> dict:
             group["lr"] = lr
         x, y = local_batch(train_b, step, state, micro)
         rows_in.clear()
+        if cfg.redundant_experts:   # this step's forwards use the slot maps in place now
+            from moepar.cost.replication import replica_copies_per_forward
+            placements = [m.placement for m in model.modules() if isinstance(m, moepar.MoE)]
+            replica_copies += (micro or 1) * replica_copies_per_forward(placements, state.ep_rank)
+            replica_returned += (micro or 1) * replica_copies_per_forward(placements, state.ep_rank, received=True)
         t0 = time.perf_counter()
         peer_wait = comm.peer_wait_timing() if args.time_peer_wait else contextlib.nullcontext()
         with comm.track() as events, peer_wait:
@@ -249,6 +257,7 @@ def train(args) -> dict:
             opt.zero_grad(set_to_none=True)
             loss = _mean_over_dp(ce, state)
             if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
+                rebalance_calls += 1
                 for r in moepar.rebalance(model):
                     metrics.setdefault("rebalances", []).append((step + 1, r.layer, r.before, r.after))
         dt = time.perf_counter() - t0
@@ -286,6 +295,9 @@ def train(args) -> dict:
         metrics["replicas"] = _replica_state(model)
         checkpoint.save_checkpoint(ckpt_dir, args.steps, model, opt, {"metrics": metrics}, state)
     metrics["received_rows"] = received_rows
+    metrics["replica_copies"] = replica_copies
+    metrics["replica_returned"] = replica_returned
+    metrics["rebalance_calls"] = rebalance_calls
     _finish(args, cfg, state, model, metrics, all_events, device, log)
     return metrics
 
@@ -360,7 +372,8 @@ def _finish(args, cfg, state, model, metrics, events, device, log) -> None:
         log("== sample (prompt 'def '):\n" + metrics["sample"])
     if hardware is not None:
         log(cost_report(args, cfg, state, model, events, len(losses) - metrics.get("resumed_at", 0), hardware,
-                        metrics.get("received_rows")))
+                        metrics.get("received_rows"), metrics.get("replica_copies"),
+                        metrics.get("rebalance_calls", 0), metrics.get("replica_returned")))
 
 
 def _report_hardware(args, state, log):
@@ -420,7 +433,8 @@ def run_spec(args, cfg, state, model, imbalance: float = 1.0):
                    clip_grad=True, loss_allreduce=True)
 
 
-def cost_report(args, cfg, state, model, events, steps, hardware, received_rows=None) -> str:
+def cost_report(args, cfg, state, model, events, steps, hardware, received_rows=None, replica_copies=None,
+                rebalances=0, replica_returned=None) -> str:
     """The cost model's report for this configuration, and every collective the run
     recorded beside the model's calls, bytes and time for the same steps."""
     from moepar.cost import CostLayout, imbalance_from_counts
@@ -441,14 +455,21 @@ def cost_report(args, cfg, state, model, events, steps, hardware, received_rows=
                                          schedule=args.schedule)
     except (TypeError, ValueError):   # one without them (or without this schedule)
         pass
+    kw = {}
+    if cfg.redundant_experts:   # the copies' weights and gradients, as the slot maps sent them
+        spec = dataclasses.replace(spec, redundant_experts=cfg.redundant_experts, imbalance=1.0,
+                                   expert_loads=tuple(counts) if counts and sum(counts) else None)
+        kw["replica_copies"] = replica_copies
+        kw["rebalances"] = rebalances
+        kw["replica_returned"] = replica_returned
     if state.pp_size > 1:
         try:   # the run report's pipeline rows (this rank's stage)
             rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows,
-                               pipeline_stage=state.pp_rank)
+                               pipeline_stage=state.pp_rank, **kw)
         except TypeError:   # a cost model without pipeline stages: the per-stage collectives only
-            rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows)
+            rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows, **kw)
     else:
-        rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows)
+        rows = compare_run(spec, layout, hardware, events, max(1, steps), received_rows, **kw)
     return "\n".join(["", "== communication cost report for this run " + "=" * 30,
                       report_for(spec, layout, hardware), "",
                       render_run(rows, hardware, layout, max(1, steps))])

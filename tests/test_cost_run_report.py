@@ -1,7 +1,8 @@
 """The example's end-of-run report: for every op (and group size, phase) the calls and bytes
-the run recorded equal the cost model's, on 4 gloo ranks and five layouts, one of them with
+the run recorded equal the cost model's, on 4 gloo ranks and six layouts, one of them with
 the peer-wait barriers (which must not count as collectives), one with pipeline stages (the
-point-to-point sends and receives too)."""
+point-to-point sends and receives too), one with redundant experts rebalanced every step (the
+copies' weights and gradients, and the rebalance's all-reduce)."""
 import dataclasses
 
 import pytest
@@ -33,7 +34,8 @@ def _report_rows(argv):
                                     ["--tp", "2", "--ep", "1", "--moe-every", "2", "--z-loss-coeff", "0"],
                                     ["--tp", "1", "--ep", "4", "--moe-every", "2", "--time-peer-wait"],
                                     ["--tp", "2", "--ep", "2", "--dispatch-dtype", "fp8"],
-                                    ["--tp", "1", "--ep", "2", "--pp", "2", "--microbatches", "2"]])
+                                    ["--tp", "1", "--ep", "2", "--pp", "2", "--microbatches", "2"],
+                                    ["--tp", "1", "--ep", "4", "--redundant-experts", "4", "--rebalance-every", "1"]])
 def test_every_op_matches_the_model(tmp_path, layout):
     argv = TINY + ["--steps", "2", "--hardware", "h100", "--out", str(tmp_path), *layout]
     rows = run_ranks(_report_rows, 4, argv)[0]

@@ -11,6 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from moepar.moe import counts_message
+
 from moepar.moe.dedup import dedup_rows
 from moepar.moe.traffic import LayerShape, layer_collectives
 from moepar.parallel import init_parallel
@@ -96,8 +98,9 @@ def replica_shape(placement, ep_rank: int, expert_slice_numel: int, param_bytes:
     w3 if gated, w2, biases); ``placement``: ``moe.placement`` (None: no replication)."""
     if placement is None:
         return {}
-    from moepar.cost.replication import replica_sent
+    from moepar.cost.replication import replica_received, replica_sent
     return dict(redundant_experts=placement.redundant_experts, replica_sent=replica_sent(placement, ep_rank),
+                replica_received=replica_received(placement, ep_rank),
                 expert_bytes=expert_slice_numel * param_bytes)
 
 
@@ -114,13 +117,19 @@ def test_replication_adds_exactly_two_rows_and_keeps_every_other(extra):
     p = plan_placement([8, 1, 1, 1, 4, 1, 1, 1], 8, 4, 4)
     rep_fields = replica_shape(p, 0, expert_slice_numel=3 * 8 * 16, param_bytes=4)
     rep = layer_collectives(_shape(**extra, **rep_fields))
-    assert [c for c in rep if not c.name.startswith("MoE replica")] == plain
+    # the counts message counts the E + R slots; every other row is unchanged
+    kept = [c for c in rep if not c.name.startswith("MoE replica")]
+    assert [c for c in kept if c.name != "MoE counts"] == [c for c in plain if c.name != "MoE counts"]
+    for c in kept:
+        if c.name == "MoE counts":
+            shape = _shape(**extra)
+            assert c.nbytes == counts_message.message_bytes(8 + 4, shape.ep, shape.block)
     added = [c for c in rep if c.name.startswith("MoE replica")]
-    sent = rep_fields["replica_sent"]
+    sent, held = rep_fields["replica_sent"], rep_fields["replica_received"]
     assert sent >= 1   # expert 0, the hottest, lives on rank 0 and is copied elsewhere
     assert [(c.name, c.op, c.group, c.phase, c.step, c.nbytes) for c in added] == [
         ("MoE replica weights", "all_to_all", "ep", "fwd", "8", sent * 3 * 8 * 16 * 4),
-        ("MoE replica grads", "all_to_all", "ep", "bwd", "8", sent * 3 * 8 * 16 * 4)]
+        ("MoE replica grads", "all_to_all", "ep", "bwd", "8", held * 3 * 8 * 16 * 4)]
     # in the order they run: after the dispatch (and ETP gather), before the combine
     names = [c.name for c in rep if c.phase == "fwd"]
     assert names.index("MoE dispatch") < names.index("MoE replica weights") < names.index("MoE combine")

@@ -49,10 +49,13 @@ def replica_received(placement: Placement, ep_rank: int) -> int:
     return sum(1 for e in placement.slots[ep_rank] if e // L != ep_rank)
 
 
-def replica_copies_per_forward(placements: Sequence[Placement | None], ep_rank: int) -> int:
+def replica_copies_per_forward(placements: Sequence[Placement | None], ep_rank: int,
+                               received: bool = False) -> int:
     """Copies one forward of every MoE layer makes this rank send (None: a layer without
-    replication): the sum of ``replica_sent`` over the layers' placements."""
-    return sum(replica_sent(p, ep_rank) for p in placements if p is not None)
+    replication): the sum of ``replica_sent`` over the layers' placements; ``received``: the
+    copies it receives instead (``replica_received``: whose gradients it sends back)."""
+    count = replica_received if received else replica_sent
+    return sum(count(p, ep_rank) for p in placements if p is not None)
 
 
 def expert_slice_params(spec, etp: int) -> int:

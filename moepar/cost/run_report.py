@@ -59,13 +59,17 @@ class RunRow:
 
 def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: Iterable, steps: int,
                 received_rows: int | None = None, pipeline_stage: int = 0,
-                replica_copies: int | None = None) -> list[RunRow]:
+                replica_copies: int | None = None, rebalances: int = 0,
+                replica_returned: int | None = None) -> list[RunRow]:
     """Rows of (op, group size, phase): the run's calls, bytes and seconds beside the model's
     for ``steps`` steps. The spec is priced as routed (``imbalance`` is ignored: the send side
     is the rank's own routes, the receive side ``received_rows``); with pipeline stages, as
     the blocks and boundaries of ``pipeline_stage``, this rank's stage. ``replica_copies``:
     expert slices this rank sent in the replica all-to-alls, summed over the run's MoE layer
-    forwards (``replica_copies_per_forward`` per forward); the gradients send as many back."""
+    forwards (``replica_copies_per_forward`` per forward); ``replica_returned``: the copies
+    whose gradients it sent back, i.e. the remote copies its slots held (default: as many).
+    ``rebalances``: ``moepar.rebalance`` calls in these steps, each one all-reduce of the
+    stage's MoE layers' routes per expert ([layers, E] int64) over the stage's ranks."""
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     if not (isinstance(pipeline_stage, int) and 0 <= pipeline_stage < layout.pp):
@@ -98,7 +102,8 @@ def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: I
         r = row(c.op, c.group_size, "fwd" if c.phase == "step" else c.phase)
         r.model_calls += k
         if replica_copies is not None and c.name in REPLICA:
-            nbytes = replica_copies * expert_slice_params(spec, layout.etp) * wire_bytes(spec).param
+            copies = replica_copies if c.phase == "fwd" or replica_returned is None else replica_returned
+            nbytes = copies * expert_slice_params(spec, layout.etp) * wire_bytes(spec).param
             r.model_bytes += nbytes
             # all of it to peers: the time of an all-to-all whose (n-1)/n share it is
             wire = nbytes / max(k, 1) * c.group_size / (c.group_size - 1)
@@ -110,6 +115,13 @@ def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: I
         else:
             r.model_bytes += k * c.nbytes
             r.model_seconds += k * c.seconds
+    n = layout.size("world")
+    if rebalances and n > 1:
+        r = row("all_reduce", n, "fwd")
+        nbytes = spec.moe_layers * spec.experts * 8
+        r.model_calls += rebalances
+        r.model_bytes += rebalances * nbytes
+        r.model_seconds += rebalances * hardware.collective_time("all_reduce", layout.placement("world"), nbytes)
     return sorted(rows.values(), key=lambda r: (r.op, r.group_size, r.phase))
 
 

@@ -53,8 +53,10 @@ class LayerShape:
     Expert replication (``redundant_experts`` R > 0, docs/routing.md "Expert replication"):
     every forward issues one all-to-all in the EP group carrying the remote copies' weights,
     and its backward one carrying their gradients back to the owners (docs/moe.md step 8);
-    ``replica_sent``: the copies of this rank's home experts held on other EP ranks (what it
-    sends each way; 0 still joins the call), ``expert_bytes``: bytes of one expert's slice
+    ``replica_sent``: the copies of this rank's home experts held on other EP ranks (whose
+    weights it sends forward; 0 still joins the call), ``replica_received``: the remote copies
+    its own slots hold (whose gradients it sends back; None: as many as it sent),
+    ``expert_bytes``: bytes of one expert's slice
     on this rank (w1, w3 if gated, w2 and biases, expert-TP sliced, in the parameter dtype)."""
 
     tp: int
@@ -81,6 +83,7 @@ class LayerShape:
     fp8_combine_grad: bool = False
     redundant_experts: int = 0
     replica_sent: float = 0.0
+    replica_received: float | None = None
     expert_bytes: float = 0.0
 
     @property
@@ -128,8 +131,10 @@ def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
     for phase in phases:
         fwd = phase == "fwd"
         if fwd and not s.padded:
-            add("3", "MoE counts", "all_gather", "moe", phase, counts_message.message_bytes(E, s.ep, s.block),
-                f"block·(E+{len(counts_message.FIELDS)}+ep)·8")
+            # with redundant experts the message counts the E + R slots
+            slots = E + s.redundant_experts
+            add("3", "MoE counts", "all_gather", "moe", phase, counts_message.message_bytes(slots, s.ep, s.block),
+                f"block·({'E+R' if s.redundant_experts else 'E'}+{len(counts_message.FIELDS)}+ep)·8")
         if (s.fp8_dispatch if fwd else s.fp8_combine_grad):
             add("5", "MoE dispatch" if fwd else "MoE combine grad", "all_to_all", "ep", phase,
                 R * fp8_row_bytes(D), f"R·(D+4·⌈D/{FP8_BLOCK}⌉) fp8{dd}")
@@ -143,8 +148,10 @@ def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
         add("6", "expert-TP gather rows", "all_gather", "etp", phase, s.etp_rows * D * b_etp,
             f"etp·M·D·{bc if s.fp8_dispatch else bd}")
         if s.redundant_experts > 0:   # the remote copies' weights out, their gradients back
+            back = s.replica_sent if s.replica_received is None else s.replica_received
             add("8", "MoE replica weights" if fwd else "MoE replica grads", "all_to_all", "ep", phase,
-                s.replica_sent * s.expert_bytes, "copies·P_slice·b_w")
+                (s.replica_sent if fwd else back) * s.expert_bytes,
+                "copies sent·P_slice·b_w" if fwd else "copies held·P_slice·b_w")
         add("9", "expert-TP reduce-scatter", "reduce_scatter", "etp", phase, s.etp_rows * D * s.b_combine,
             f"etp·M·D·{bc}")
         add("9", "MoE combine" if fwd else "MoE dispatch grad", "all_to_all", "ep", phase,
