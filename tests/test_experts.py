@@ -255,3 +255,19 @@ def test_bad_inputs_raise_clear_errors():
         GroupedExperts(2, 8, 16, gemm_path="cutlass")
     with pytest.raises(ValueError, match="num_local_experts=0"):
         GroupedExperts(0, 8, 16)
+
+
+def test_meta_build_then_to_empty_keeps_the_expert_markers():
+    """``to_empty`` replaces the parameter objects; reset_parameters() marks the new ones
+    (allreduce_gradients and fully_shard tell experts from dense weights by the marker)."""
+    kw = dict(num_local_experts=2, hidden=8, ffn_hidden=16, activation="swiglu", bias=True, init_seed=3,
+              etp_size=2, etp_rank=1)
+    with torch.device("meta"):
+        m = GroupedExperts(**kw)
+    m.to_empty(device="cpu")
+    assert not any(getattr(p, "moepar_expert", False) for p in m.parameters())
+    m.reset_parameters()
+    direct = GroupedExperts(**kw)
+    for (n, p), q in zip(m.named_parameters(), direct.parameters()):
+        assert torch.equal(p, q), n
+        assert p.moepar_expert and p.moepar_expert_partition_dim == q.moepar_expert_partition_dim, n

@@ -142,3 +142,63 @@ def test_sizes_not_divisible_by_tp_raise_on_every_rank():
         assert errors == ["out_features=10 is not divisible by tensor_parallel_size=4",
                           "in_features=10 is not divisible by tensor_parallel_size=4",
                           "num_embeddings=10 is not divisible by tensor_parallel_size=4"]
+
+
+class _TPStack(torch.nn.Module):
+    """Every TP layer kind, in several options: the example's attention (q, k, v column- and
+    proj row-parallel, init_std set), a biased pair left to nn.Linear's init (bf16, SP) and
+    the vocab-parallel embedding."""
+
+    def __init__(self, state):
+        super().__init__()
+        from examples.gpt_moe import Attention, GPTConfig
+        self.attn = Attention(GPTConfig(hidden=16, heads=4, layers=2), state, seed=21)
+        self.fc1 = ColumnParallelLinear(D, F_HID, init_seed=1, state=state, sequence_parallel=True,
+                                        dtype=torch.bfloat16)
+        self.fc2 = RowParallelLinear(F_HID, D, init_seed=2, state=state, sequence_parallel=True,
+                                     dtype=torch.bfloat16)
+        self.embed = VocabParallelEmbedding(12, D, init_seed=9, state=state)
+
+
+_MARKERS = ("tensor_model_parallel", "partition_dim", "sequence_parallel")
+
+
+def _meta_build_equals_direct(tp):
+    """(worst |difference| of any tensor, whether every parameter's markers match) between a
+    direct build and a meta build + to_empty + every module's reset_parameters()."""
+    state = init_parallel(tensor_parallel_size=tp, verbose=False)
+    ref = _TPStack(state)
+    with torch.device("meta"):
+        model = _TPStack(state)
+    assert all(p.is_meta for p in model.parameters())
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(123.0)   # what to_empty may leave behind
+    for m in model.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    got, want = model.state_dict(), ref.state_dict()
+    assert sorted(got) == sorted(want) and all(got[k].dtype == want[k].dtype for k in got)
+    worst = max(float((got[k].double() - want[k].double()).abs().max()) for k in got)
+    markers = all(getattr(p, m, None) == getattr(q, m, None) for p, q in zip(model.parameters(), ref.parameters())
+                  for m in _MARKERS)
+    return worst, markers
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_meta_build_then_reset_equals_direct_build(tp):
+    for worst, markers in run_ranks(_meta_build_equals_direct, 2, tp):
+        assert worst == 0.0 and markers
+
+
+def test_reset_parameters_redraws_the_construction_values():
+    fc = ColumnParallelLinear(D, F_HID, init_seed=4, init_std=0.02, state=_single())
+    row = RowParallelLinear(F_HID, D, init_seed=5, state=_single())
+    before = [p.detach().clone() for p in (*fc.parameters(), *row.parameters())]
+    with torch.no_grad():
+        for p in (*fc.parameters(), *row.parameters()):
+            p.zero_()
+    fc.reset_parameters()
+    row.reset_parameters()
+    assert all(torch.equal(a, b) for a, b in zip(before, (*fc.parameters(), *row.parameters())))

@@ -123,10 +123,8 @@ class GroupedExperts(nn.Module):
             if (name in ("w3", "b3") and not swiglu) or (name[0] == "b" and not self.bias):
                 self.register_parameter(name, None)
                 continue
-            p = nn.Parameter(torch.empty(shape, dtype=dtype))
-            p.moepar_expert = True
-            p.moepar_expert_partition_dim = pdim
-            setattr(self, name, p)
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype)))
+        self._partition_dims = {n: pdim for n, (_, pdim) in shapes.items()}
         self.reset_parameters()
 
     @staticmethod
@@ -176,6 +174,11 @@ class GroupedExperts(nn.Module):
                 p[e].copy_(t)
         for name, t in whole.items():
             copy_local(getattr(self, name), t)
+        # The markers live on the parameter objects, which ``to_empty`` replaces: set here.
+        for name, p in self.named_parameters(recurse=False):
+            if name in self._partition_dims:
+                p.moepar_expert = True
+                p.moepar_expert_partition_dim = self._partition_dims[name]
 
     def weights(self) -> tuple:
         """(w1, w2, w3, b1, b2, b3) in moepar's layouts (None where absent): what the GEMMs

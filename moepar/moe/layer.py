@@ -20,13 +20,13 @@ from torch import nn
 
 from ..parallel import comm
 from ..parallel.groups import ParallelState, get_parallel_state
-from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, _master
+from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import MoEConfig, make_config
 from .dispatcher import Dispatcher
 from .activations import Elementwise
 from .experts import GATED, GroupedExperts
 from .guard import GroupLoad
-from .layer_options import SharedExpertGate, copy_local, routes_as_rows, sum_routes
+from .layer_options import SharedExpertGate, routes_as_rows, sum_routes
 from .replicas import Replicas
 from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, tapped
 from .router import TopKRouter
@@ -95,22 +95,13 @@ class SharedExperts(nn.Module):
         self._act = Elementwise.of(activation)   # None for the built-in gelu / relu / swiglu
         self.w2 = RowParallelLinear(ffn_hidden, hidden, init_seed=init_seed + 2, **kw)
         self.gate = SharedExpertGate(hidden, init_seed + 3, sequence_parallel, dtype) if gate else None
-        self.init_seed, self.init_std = init_seed, init_std
 
-    @torch.no_grad()
     def reset_parameters(self) -> None:
         """Re-draw the weights as at construction (same seed: the same values, this rank's
         TP slice of each), e.g. after ``to_empty`` of a layer built on the meta device."""
-        for lin, seed, rows in ((self.w1, self.init_seed, True), (self.w3, self.init_seed + 1, True),
-                                (self.w2, self.init_seed + 2, False)):
-            if lin is None:
-                continue
-            full = _master((lin.out_features, lin.in_features), lin.in_features, self.init_std, seed)
-            n = lin.weight.shape[0] if rows else lin.weight.shape[1]
-            r = lin.tp_rank
-            copy_local(lin.weight, full[r * n:(r + 1) * n] if rows else full[:, r * n:(r + 1) * n])
-        if self.gate is not None:
-            self.gate.reset_parameters()
+        for part in (self.w1, self.w3, self.w2, self.gate):
+            if part is not None:
+                part.reset_parameters()
 
     def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None,
                 stats: comm.CommStats | None = None) -> torch.Tensor:
@@ -159,9 +150,7 @@ class MoE(nn.Module):
             init_seed = int(torch.randint(0, 2 ** 30, (), device="cpu"))
         router_cfg = dataclasses.replace(cfg.router, init_seed=init_seed)
         self.router = TopKRouter(router_cfg)
-        if cfg.sequence_parallel and self.tp > 1:
-            for p in self.router.parameters():  # fed only this rank's tokens: grads summed over TP
-                p.sequence_parallel = True
+        self._mark_router()
         self.experts = GroupedExperts(
             self.num_local_experts, hidden, cfg.ffn, cfg.activation, cfg.bias,
             first_expert=state.ep_rank * self.num_local_experts, etp_size=self.etp, etp_rank=state.etp_rank,
@@ -190,9 +179,15 @@ class MoE(nn.Module):
         same ``init_seed``), e.g. after ``to_empty`` of a layer built on the meta device:
         the router (weight, bias, ``expert_bias`` to zeros), the experts, the shared experts."""
         self.router.reset_parameters()
+        self._mark_router()   # to_empty replaced the parameter objects that carried the marker
         self.experts.reset_parameters()
         if self.shared is not None:
             self.shared.reset_parameters()
+
+    def _mark_router(self) -> None:
+        if self.config.sequence_parallel and self.tp > 1:
+            for p in self.router.parameters():  # fed only this rank's tokens: grads summed over TP
+                p.sequence_parallel = True
 
     @staticmethod
     def _check_layout(cfg: MoEConfig, state: ParallelState) -> None:

@@ -11,8 +11,6 @@ Legend (docs/moe.md): T tokens, D hidden, K routes per token, N = T*K routes.
   flows (d w_tk = <dy_t-through-expert, x_t>).
 * ``shared_expert_gate`` (Qwen2-MoE): ``out += sigmoid(x . w_gate) * shared(x)`` per token,
   ``w_gate`` [1, D]; ``SharedExpertGate`` holds it.
-* ``copy_local``: the initialisers' write of a parameter's value that also lands in a
-  parameter FSDP2 has sharded (a DTensor): each rank keeps its own shard of it.
 """
 from __future__ import annotations
 
@@ -21,6 +19,10 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+# The initialisers' write that also lands in a parameter FSDP2 sharded; it lives with FSDP
+# (moepar.parallel.fsdp) and is re-exported here for the modules that still import it from here.
+from ..parallel.fsdp import copy_local  # noqa: F401
 
 
 def routes_as_rows(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
@@ -39,22 +41,6 @@ def routes_as_rows(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: 
 def sum_routes(y_ND: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """[T, D]: the sum of each token's K route outputs (rows t*K .. t*K+K-1)."""
     return y_ND.view(num_tokens, -1, y_ND.shape[-1]).sum(1)
-
-
-@torch.no_grad()
-def copy_local(p: torch.Tensor, value: torch.Tensor) -> None:
-    """``p.copy_(value)``, where ``value`` is the whole tensor ``p`` stands for on this rank;
-    for a DTensor (a parameter FSDP2 sharded) only this rank's shard of ``value`` is copied."""
-    to_local = getattr(p, "to_local", None)
-    if to_local is None:
-        p.copy_(value)
-        return
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-    local = to_local()
-    if local.numel():
-        part = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
-        local.copy_(part.reshape(local.shape))
 
 
 class SharedExpertGate(nn.Module):

@@ -8,7 +8,8 @@ collective, and a rendezvous that survives ``torchrun --max-restarts``.
   compile while bounding the damage. ``init_parallel(timeout=...)`` applies it to every group
   it creates; ``init_distributed(timeout=...)`` to the world group.
 * ``CollectiveError``: raised by ``moepar.parallel.comm`` when a collective fails, naming the
-  op, the phase (forward/backward), the group (tp, ep, ...) and its global ranks.
+  op, the phase (forward/backward), the group (tp, ep, ...: the caller names it, from the
+  parallel state's ``group_kind``) and its global ranks.
 * ``init_distributed``: joins the launcher's world with a store prefix per restart attempt.
   Under torchrun the workers share the agent's TCPStore, which lives across restarts (same
   MASTER_PORT every attempt) and still holds the previous attempt's keys: gloo's rendezvous
@@ -53,22 +54,20 @@ class CollectiveError(RuntimeError):
         self.op, self.phase, self.ranks, self.kind = op, phase, ranks, kind
 
     @classmethod
-    def of(cls, error: BaseException, op: str, group, backward: bool, t0: float) -> "CollectiveError":
+    def of(cls, error: BaseException, op: str, group, kind: str | None, backward: bool,
+           t0: float) -> "CollectiveError":
+        """The error for ``op`` failing on ``group``, whose kind (``groups.group_kind``:
+        "tp", "ep/moe", "world", or None) names it in the message."""
         phase = "backward" if backward else "forward"
         try:
             ranks = dist.get_process_group_ranks(group)
         except Exception:   # the group may be unusable by now; the message must still come
             ranks = []
-        from .groups import get_parallel_state   # groups never imports this module at load
-        # Kinds sharing this group object (the MoE block reuses the EP or TP group): "ep/moe".
-        kinds = [k for k, g in get_parallel_state().groups.items() if g is not None and g is group]
-        if not kinds and group is not None and group is dist.group.WORLD:
-            kinds = ["world"]
-        kind = "/".join(kinds) or None
         where = f"the {kind} group" if kind else "a group"
         return cls(f"moepar {op} ({phase}) over {where} (global ranks {ranks}) failed on rank "
                    f"{dist.get_rank()} after {time.perf_counter() - t0:.1f}s (a peer in the group died or "
-                   f"stalled past the group's timeout, or the call was invalid). Backend error: {error}", op, phase, ranks, kind)
+                   f"stalled past the group's timeout, or the call was invalid). Backend error: {error}",
+                   op, phase, ranks, kind)
 
 
 def restart_attempt() -> int:

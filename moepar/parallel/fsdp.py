@@ -39,6 +39,24 @@ MARKERS = ("moepar_expert", "moepar_expert_partition_dim", "tensor_model_paralle
            "sequence_parallel")
 
 
+@torch.no_grad()
+def copy_local(p: torch.Tensor, value: torch.Tensor) -> None:
+    """``p.copy_(value)``, where ``value`` is the whole tensor ``p`` stands for on this rank;
+    for a DTensor (a parameter FSDP2 sharded) only this rank's shard of ``value`` is copied.
+    The initialisers' write (``reset_parameters``), so that a model built on the meta device,
+    sharded, then ``to_empty``'d takes the same values as one built whole."""
+    to_local = getattr(p, "to_local", None)
+    if to_local is None:
+        p.copy_(value)
+        return
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    local = to_local()
+    if local.numel():
+        part = value[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
+        local.copy_(part.reshape(local.shape))
+
+
 def param_kind(p: torch.Tensor, state: ParallelState) -> str:
     """Which FSDP group shards ``p`` (see the module table)."""
     if getattr(p, "moepar_expert", False):

@@ -313,6 +313,15 @@ def get_parallel_state() -> ParallelState:
     return _STATE if _STATE is not None else ParallelState.single()
 
 
+def group_kind(group) -> str | None:
+    """The kinds of the parallel state that ``group`` serves, for messages: "tp", "ep/moe"
+    (the MoE block reuses the EP or the TP group), "world", or None when it is none of them."""
+    kinds = [k for k, g in get_parallel_state().groups.items() if g is not None and g is group]
+    if not kinds and group is not None and dist.is_available() and group is dist.group.WORLD:
+        kinds = ["world"]
+    return "/".join(kinds) or None
+
+
 def reset_parallel_state() -> None:
     """Forget the last ``init_parallel`` (groups are left to torch.distributed)."""
     global _STATE

@@ -1,9 +1,13 @@
 """Tensor-parallel layers (Megatron style): column/row-sliced linears, vocab-parallel
 embedding and cross-entropy.
 
-Every weight is cut from the full master weight, drawn with the given ``init_seed`` (or
-the default RNG), so models built with the same seed at TP=1 and TP=n hold the same
-global weights. Collectives per call, bytes per rank (T tokens, O/I features, b dtype bytes):
+Every weight is cut from the full master weight, drawn on the CPU with the given
+``init_seed`` (or the default RNG), so models built with the same seed at TP=1 and TP=n hold
+the same global weights. Each layer's ``reset_parameters()`` draws it (its ``__init__`` calls
+it), writing through ``copy_local``: a layer built on the meta device takes, after ``to_empty``
+and ``reset_parameters()``, exactly the values of one built directly, sharded by FSDP2 or not.
+
+Collectives per call, bytes per rank (T tokens, O/I features, b dtype bytes):
 ColumnParallel: bwd all-reduce of dX [T, I] (or SP: fwd all-gather / bwd reduce-scatter of X);
 RowParallel: fwd all-reduce of Y [T, O] (or SP: fwd reduce-scatter / bwd all-gather).
 """
@@ -17,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import comm
+from .fsdp import copy_local
 from .groups import ParallelState, get_parallel_state
 
 
@@ -28,11 +33,12 @@ def _divide(total: int, parts: int, what: str) -> int:
 
 def _master(shape: tuple[int, ...], fan_in: int, init_std: float | None,
             init_seed: int | None, is_bias: bool = False) -> torch.Tensor:
-    """The full (unsliced) parameter, identical on every rank for a given seed."""
+    """The full (unsliced) parameter, identical on every rank for a given seed (drawn on the
+    CPU, whatever the default device: the seeded generator is a CPU one)."""
     gen = None
     if init_seed is not None:
         gen = torch.Generator().manual_seed(init_seed + (7919 if is_bias else 0))
-    out = torch.empty(shape)
+    out = torch.empty(shape, device="cpu")
     if init_std is None:  # nn.Linear's default: U(-1/sqrt(fan_in), 1/sqrt(fan_in))
         bound = 1.0 / math.sqrt(fan_in)
         return out.uniform_(-bound, bound, generator=gen)
@@ -53,6 +59,14 @@ class _TPModule(nn.Module):
         so that destroy_parallel() can free it)."""
         return self.state.tp_group
 
+    @staticmethod
+    def _mark_sliced(p: torch.Tensor | None, dim: int) -> None:
+        """Megatron's markers on a parameter sliced along ``dim`` (not replicated), read by the
+        gradient sync, FSDP and checkpoints. Set by ``reset_parameters``: ``to_empty`` makes
+        new parameters without them."""
+        if p is not None:
+            p.tensor_model_parallel, p.partition_dim = True, dim
+
 
 class ColumnParallelLinear(_TPModule):
     """Y = X A^T + b with A split by output rows: each rank holds ``out_features/tp`` outputs.
@@ -71,18 +85,28 @@ class ColumnParallelLinear(_TPModule):
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = _divide(out_features, self.tp_size, "out_features")
         self.gather_output, self.sequence_parallel, self.sequence_dim = gather_output, sequence_parallel, sequence_dim
-        rows = slice(self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank)
-        w = _master((out_features, in_features), in_features, init_std, init_seed)[rows]
-        self.weight = nn.Parameter(w.clone().to(dtype) if dtype else w.clone())
-        self.weight.tensor_model_parallel = True  # Megatron's marker: sliced, not replicated
-        self.weight.partition_dim = 0
+        self.init_std, self.init_seed = init_std, init_seed
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, dtype=dtype))
         if bias:
-            b = _master((out_features,), in_features, init_std, init_seed, is_bias=True)[rows]
-            self.bias = nn.Parameter(b.clone().to(dtype) if dtype else b.clone())
-            self.bias.tensor_model_parallel = True
-            self.bias.partition_dim = 0
+            self.bias = nn.Parameter(torch.empty(self.out_per_rank, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """This rank's rows of the master weight (and bias) from ``init_seed``/``init_std``:
+        the construction's values (e.g. after ``to_empty`` of a layer built on the meta device)."""
+        self._mark_sliced(self.weight, 0)
+        self._mark_sliced(self.bias, 0)
+        if self.weight.is_meta:   # built on the meta device: values come after to_empty
+            return
+        rows = slice(self.tp_rank * self.out_per_rank, (self.tp_rank + 1) * self.out_per_rank)
+        copy_local(self.weight, _master((self.out_features, self.in_features), self.in_features,
+                                        self.init_std, self.init_seed)[rows])
+        if self.bias is not None:
+            copy_local(self.bias, _master((self.out_features,), self.in_features, self.init_std, self.init_seed,
+                                          is_bias=True)[rows])
 
     def forward(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None,
                 stats: comm.CommStats | None = None) -> torch.Tensor:
@@ -129,19 +153,32 @@ class RowParallelLinear(_TPModule):
         self.in_per_rank = _divide(in_features, self.tp_size, "in_features")
         self.input_is_parallel, self.sequence_parallel, self.sequence_dim = (
             input_is_parallel, sequence_parallel, sequence_dim)
-        cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
-        w = _master((out_features, in_features), in_features, init_std, init_seed)[:, cols]
-        self.weight = nn.Parameter(w.clone().to(dtype) if dtype else w.clone())
-        self.weight.tensor_model_parallel = True
-        self.weight.partition_dim = 1
-        if bias:  # replicated: added once, after the reduction
-            b = _master((out_features,), in_features, init_std, init_seed, is_bias=True)
-            self.bias = nn.Parameter(b.to(dtype) if dtype else b)
-            # With SP each rank adds the bias to its own tokens only: its gradient must be
-            # summed over the TP group (Megatron marks such params the same way).
-            self.bias.sequence_parallel = sequence_parallel
+        self.init_std, self.init_seed = init_std, init_seed
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, dtype=dtype))
+        if bias:   # replicated: added once, after the reduction
+            self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype))
         else:
             self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """This rank's columns of the master weight, and the whole bias, from
+        ``init_seed``/``init_std``: the construction's values (e.g. after ``to_empty`` of a
+        layer built on the meta device)."""
+        self._mark_sliced(self.weight, 1)
+        if self.bias is not None:
+            # With SP each rank adds the bias to its own tokens only: its gradient must be
+            # summed over the TP group (Megatron marks such params the same way).
+            self.bias.sequence_parallel = self.sequence_parallel
+        if self.weight.is_meta:   # built on the meta device: values come after to_empty
+            return
+        cols = slice(self.tp_rank * self.in_per_rank, (self.tp_rank + 1) * self.in_per_rank)
+        copy_local(self.weight, _master((self.out_features, self.in_features), self.in_features,
+                                        self.init_std, self.init_seed)[:, cols])
+        if self.bias is not None:
+            copy_local(self.bias, _master((self.out_features,), self.in_features, self.init_std, self.init_seed,
+                                          is_bias=True))
 
     def forward(self, x: torch.Tensor, sequence_sizes: Sequence[int] | None = None,
                 stats: comm.CommStats | None = None) -> torch.Tensor:
@@ -178,12 +215,21 @@ class VocabParallelEmbedding(_TPModule):
         self.per_rank = _divide(num_embeddings, self.tp_size, "num_embeddings")
         self.vocab_start = self.tp_rank * self.per_rank
         self.sequence_parallel, self.sequence_dim = sequence_parallel, sequence_dim
-        std = 1.0 if init_std is None else init_std  # nn.Embedding's default is N(0, 1)
-        gen = None if init_seed is None else torch.Generator().manual_seed(init_seed)
-        w = torch.empty(num_embeddings, embedding_dim).normal_(0.0, std, generator=gen)
-        self.weight = nn.Parameter(w[self.vocab_start:self.vocab_start + self.per_rank].clone())
-        self.weight.tensor_model_parallel = True
-        self.weight.partition_dim = 0
+        self.init_std, self.init_seed = init_std, init_seed
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """This rank's rows of the full table from ``init_seed``/``init_std``: the
+        construction's values (e.g. after ``to_empty`` of a layer built on the meta device)."""
+        self._mark_sliced(self.weight, 0)
+        if self.weight.is_meta:   # built on the meta device: values come after to_empty
+            return
+        std = 1.0 if self.init_std is None else self.init_std  # nn.Embedding's default is N(0, 1)
+        gen = None if self.init_seed is None else torch.Generator().manual_seed(self.init_seed)
+        w = torch.empty(self.num_embeddings, self.embedding_dim, device="cpu").normal_(0.0, std, generator=gen)
+        copy_local(self.weight, w[self.vocab_start:self.vocab_start + self.per_rank])
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if ids.dtype not in (torch.int32, torch.int64):
