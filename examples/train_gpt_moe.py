@@ -266,8 +266,14 @@ def train(args) -> dict:
         moes = [m for m in model.modules() if isinstance(m, moepar.MoE)]
         dropped = sum(m.stats.dropped_fraction for m in moes) / max(1, len(moes))
         # The worst layer's max/mean routes per expert over its EP group (moepar.load_report).
-        overload = (moepar.load_report(model).worst()["expert_overload"] or 0.0) if moes else 0.0
+        report = moepar.load_report(model) if moes else None
+        overload = (report.worst()["expert_overload"] or 0.0) if moes else 0.0
         metrics.setdefault("overload", []).append(overload)
+        if moes:   # the worst layer's received rows per EP rank, max / mean (before copies: unreplicated)
+            metrics.setdefault("rank_overload", []).append(report.worst("rank_overload")["rank_overload"])
+            if cfg.redundant_experts:
+                metrics.setdefault("unreplicated_overload", []).append(
+                    report.worst("unreplicated_overload")["unreplicated_overload"])
         metrics["losses"].append(loss)
         metrics["aux"].append(float(aux.detach()))
         metrics["dropped"].append(dropped)

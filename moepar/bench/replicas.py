@@ -2,8 +2,9 @@
 skewed routing (``MoE(..., redundant_experts=R)`` with ``moepar.rebalance``).
 
 Every rank is one EP rank (ep = world size, one thread each, so that the most-loaded rank's
-extra rows show in the step time). A stack of MoE layers (residual) routes with a fixed
-router bias ``log((e + 1) ** -zipf)``: expert 0 the hottest, Zipf-like. For R = 0 and each
+extra rows show in the step time). A stack of MoE layers (residual) routes with router
+logits of spread ``--logit-std`` plus a fixed logit bias ``log((e + 1) ** -zipf)``: expert 0 the
+hottest, Zipf-like. For R = 0 and each
 R given, the same model (same seed) trains ``--warmup`` steps, is rebalanced from the load
 they measured (R > 0), then the configurations take turns: each round times ``--steps``
 training steps (forward, backward, AdamW) of every configuration, interleaved. Reports per
@@ -35,12 +36,16 @@ class Stack(nn.Module):
         super().__init__()
         self.layers = nn.ModuleList(
             moepar.MoE(args.hidden, args.experts, ep, k=args.k, ffn_hidden=args.ffn, activation="swiglu",
-                       expert_bias=True, aux_loss=None, redundant_experts=R, init_seed=args.seed + i, state=state)
+                       router_bias=True, aux_loss=None, redundant_experts=R, init_seed=args.seed + i, state=state)
             for i in range(args.layers))
         bias = torch.tensor([-args.zipf * math.log(e + 1) for e in range(args.experts)])
+        g = torch.Generator().manual_seed(args.seed)
         with torch.no_grad():
             for m in self.layers:
-                m.router.expert_bias.copy_(bias)
+                m.router.bias.copy_(bias)   # on the logits: softmax odds (e + 1) ** -zipf
+                # logits of std ~logit_std on unit inputs, as a trained router's spread
+                w = torch.randn(m.router.weight.shape, generator=g) * args.logit_std / math.sqrt(args.hidden)
+                m.router.weight.copy_(w)
 
     def forward(self, x):
         for m in self.layers:
@@ -65,6 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=2048, help="tokens per rank and step")
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--zipf", type=float, default=1.0, help="router bias exponent: bias_e = -zipf x log(e + 1)")
+    p.add_argument("--logit-std", type=float, default=1.0, help="router logits' spread on unit-variance inputs")
     p.add_argument("--warmup", type=int, default=3, help="steps measured before the rebalance")
     p.add_argument("--steps", type=int, default=3, help="timed steps per configuration and round")
     p.add_argument("--rounds", type=int, default=5)

@@ -8,6 +8,7 @@ from torch import nn
 
 from ..tables import format_table
 from .layer import MoE
+from .replicas import local_order
 
 COLUMNS = ("layer", "expert_overload", "rank_overload", "unreplicated_overload", "dropped_fraction",
            "receive_cap", "max_received", "guard_dropped")
@@ -48,7 +49,8 @@ def unreplicated_overload(placement, load_PE) -> float | None:
     summed per logical expert, then per owner); None without a placement."""
     if placement is None:
         return None
-    experts = [g for held in placement.slots for g in held]   # global slot -> expert
+    experts = [placement.slots[r][i] for r in range(placement.ep_size)
+               for i in local_order(placement, r)]   # global slot (the layer's order) -> expert
     per_expert = torch.zeros(placement.num_experts, dtype=torch.float64)
     per_expert.index_add_(0, torch.tensor(experts), load_PE.sum(0).double())
     per_owner = per_expert.view(placement.ep_size, -1).sum(1)

@@ -37,42 +37,57 @@ from .placement import Placement, check_placement_args, plan_placement
 OWNER_SLACK = 0.05
 
 
+def local_order(placement: Placement, rank: int) -> list[int]:
+    """The order of EP rank ``rank``'s slots in the layer (indices into
+    ``placement.slots[rank]``): its own experts first, by id, then the copies it receives, by
+    owner and id, so that its slot weights are its parameters followed by what arrives."""
+    L = placement.num_experts // placement.ep_size
+    held = placement.slots[rank]
+    return sorted(range(len(held)), key=lambda i: (held[i] // L != rank, held[i] // L, held[i]))
+
+
 @dataclasses.dataclass(frozen=True)
 class SlotMap:
     """Host-side tables of one placement, seen from one EP rank (the same on every rank but
-    ``rank``): what this rank sends to and receives from each peer per forward."""
+    ``rank``): which expert each local slot holds and what this rank sends to and receives
+    from each peer per forward."""
 
     placement: Placement
     rank: int
     owned: int                     # L: logical experts per rank (home rank of g: g // L)
-    send_local: tuple[int, ...]    # local expert index of each row sent, grouped by peer
-    send_splits: tuple[int, ...]   # rows sent to each peer
-    recv_splits: tuple[int, ...]   # rows received from each peer
+    held: tuple[int, ...]          # the expert of each local slot, in the layer's slot order
+    send_local: tuple[int, ...]    # local expert index of each copy sent, grouped by peer
+    send_splits: tuple[int, ...]   # copies sent to each peer
+    recv_splits: tuple[int, ...]   # copies received from each peer
     slot_source: tuple[int, ...]   # per slot: a local expert (< L) or L + its received row
 
     @classmethod
     def of(cls, placement: Placement, rank: int) -> "SlotMap":
         E, ep = placement.num_experts, placement.ep_size
         L = E // ep
+        held = [[placement.slots[r][i] for i in local_order(placement, r)] for r in range(ep)]
         send_local, send_splits, recv_splits = [], [], []
         for peer in range(ep):
-            # peer's remote slots holding one of my experts, in the peer's slot order
-            mine = [g - rank * L for g in placement.slots[peer] if peer != rank and g // L == rank]
+            # the copies of my experts that peer holds, in peer's slot order
+            mine = [g - rank * L for g in held[peer] if peer != rank and g // L == rank]
             send_local += mine
             send_splits.append(len(mine))
-            recv_splits.append(sum(1 for g in placement.slots[rank] if peer != rank and g // L == peer))
+            recv_splits.append(sum(1 for g in held[rank] if peer != rank and g // L == peer))
         source, received = [], 0
-        recv_offset = [sum(recv_splits[:p]) for p in range(ep)]
-        seen = [0] * ep
-        for g in placement.slots[rank]:
-            home = g // L
-            if home == rank:
+        for g in held[rank]:   # remote copies come last, by owner: the received rows' order
+            if g // L == rank:
                 source.append(g - rank * L)
             else:
-                source.append(L + recv_offset[home] + seen[home])
-                seen[home] += 1
+                source.append(L + received)
                 received += 1
-        return cls(placement, rank, L, tuple(send_local), tuple(send_splits), tuple(recv_splits), tuple(source))
+        return cls(placement, rank, L, tuple(held[rank]), tuple(send_local), tuple(send_splits),
+                   tuple(recv_splits), tuple(source))
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the slots are the local experts in order, then the received copies (their
+        weights: the parameters and what arrived, concatenated, no gather)."""
+        return self.slot_source == tuple(range(len(self.slot_source)))
 
     @property
     def moves_weights(self) -> bool:
@@ -119,10 +134,11 @@ class Replicas:
             slot_EM = torch.zeros(p.num_experts, M, dtype=torch.int64)
             share_EM = torch.zeros(p.num_experts, M, dtype=torch.float64)
             S = self.slots_per_rank
+            position = [{i: at for at, i in enumerate(local_order(p, r))} for r in range(p.ep_size)]
             for g, copies in enumerate(p.copies):
                 total = sum(c.share for c in copies)
                 for i, c in enumerate(copies):
-                    slot_EM[g, i] = c.rank * S + c.slot
+                    slot_EM[g, i] = c.rank * S + position[c.rank][c.slot]
                     share_EM[g, i] = c.share if total > 0 else float(i == 0)
             t = self._tables[device] = (slot_EM.to(device), share_EM.to(device))
         return t
@@ -184,41 +200,53 @@ def split_counts_device(counts_E: torch.Tensor, share_EM: torch.Tensor) -> torch
 
 class _SlotWeights(torch.autograd.Function):
     """Forward: this rank's slot weights [S, ...] from the owners' [L, ...] (one all-to-all
-    of the remote copies over the EP group, packed); backward: the copies' gradients back to
-    their owners (one all-to-all), summed with the local slots' into the owners' gradients."""
+    of the remote copies over the EP group, all tensors packed in one buffer); backward: the
+    copies' gradients back to their owners (one all-to-all), summed with the local slots'
+    into the owners' gradients."""
 
     @staticmethod
     def forward(ctx, smap: SlotMap, group, stats, *params):
-        L = smap.owned
         ctx.smap, ctx.group, ctx.stats = smap, group, stats
         ctx.shapes = [p.shape[1:] for p in params]
-        flat_LP = torch.cat([p.detach().reshape(L, -1) for p in params], 1)
-        parts = [flat_LP]
+        parts = [[p.detach()] for p in params]
         if group is not None:
-            send = flat_LP[list(smap.send_local)]
-            parts.append(comm.all_to_all_rows(send, group, smap.recv_splits, smap.send_splits, stats=stats))
-        src = torch.tensor(smap.slot_source, dtype=torch.int64, device=flat_LP.device)
-        slots_SP = torch.cat(parts)[src]
-        return tuple(_unflatten(slots_SP, ctx.shapes))
+            idx = list(smap.send_local)
+            send = torch.cat([p.detach()[idx].flatten(1) for p in params], 1)
+            recv = comm.all_to_all_rows(send, group, smap.recv_splits, smap.send_splits, stats=stats)
+            for part, got in zip(parts, _unflatten(recv, ctx.shapes)):
+                part.append(got)
+        out = [torch.cat(part) if len(part) > 1 else part[0] for part in parts]
+        if not smap.in_place:
+            src = torch.tensor(smap.slot_source, dtype=torch.int64, device=out[0].device)
+            out = [t[src] for t in out]
+        elif len(parts[0]) == 1:   # the parameters themselves: hand autograd a view
+            out = [t.view_as(t) for t in out]
+        return tuple(out)
 
     @staticmethod
     def backward(ctx, *grads):
         smap, L = ctx.smap, ctx.smap.owned
         S = len(smap.slot_source)
         like = next(g for g in grads if g is not None)
-        g_SP = torch.cat([(torch.zeros((S, *shape), dtype=like.dtype, device=like.device) if g is None else g)
-                          .reshape(S, -1) for g, shape in zip(grads, ctx.shapes)], 1)
+        grads = [torch.zeros((S, *shape), dtype=like.dtype, device=like.device) if g is None else g
+                 for g, shape in zip(grads, ctx.shapes)]
         src = list(smap.slot_source)
         home = [i for i, s in enumerate(src) if s < L]
-        g_LP = torch.zeros((L, g_SP.shape[1]), dtype=g_SP.dtype, device=g_SP.device)
-        g_LP.index_add_(0, torch.tensor([src[i] for i in home], dtype=torch.int64, device=g_SP.device), g_SP[home])
+        if smap.in_place and len(home) == L:
+            out = [g[:L].clone() if ctx.group is not None else g[:L] for g in grads]
+        else:
+            at = torch.tensor([src[i] for i in home], dtype=torch.int64, device=like.device)
+            out = [torch.zeros((L, *g.shape[1:]), dtype=g.dtype, device=g.device).index_add_(0, at, g[home])
+                   for g in grads]
         if ctx.group is not None:
-            remote = sorted((s - L, i) for i, s in enumerate(src) if s >= L)   # received-row order
-            g_recv = g_SP[[i for _, i in remote]]
+            remote = [i for _, i in sorted((s - L, i) for i, s in enumerate(src) if s >= L)]   # received order
+            g_recv = torch.cat([g[remote].flatten(1) for g in grads], 1)
             back = comm.all_to_all_rows(g_recv, ctx.group, smap.send_splits, smap.recv_splits, backward=True,
                                         stats=ctx.stats)
-            g_LP.index_add_(0, torch.tensor(smap.send_local, dtype=torch.int64, device=g_SP.device), back)
-        return (None, None, None, *_unflatten(g_LP, ctx.shapes))
+            idx = torch.tensor(smap.send_local, dtype=torch.int64, device=like.device)
+            for o, b in zip(out, _unflatten(back, ctx.shapes)):
+                o.index_add_(0, idx, b)
+        return (None, None, None, *out)
 
 
 def _unflatten(flat: torch.Tensor, shapes) -> list[torch.Tensor]:
