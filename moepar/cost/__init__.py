@@ -7,14 +7,13 @@
     cost = step_cost(MoESpec(hidden=4096, ffn=14336, experts=8, topk=2, tokens=8192),
                      CostLayout(gpus=64, gpus_per_node=8, tp=2, ep=8), get_hardware("h100"))
 """
-from .accounting import (DEFAULT_COMPUTE_EFFICIENCY, Call, StepCost, layer_calls, step_calls, step_cost,
-                         wire_bytes)
+from .accounting import DEFAULT_COMPUTE_EFFICIENCY, Call, StepCost, layer_calls, step_calls, wire_bytes
 from .collectives import Curve, Link, Placement, bus_factor, busbw, link_time, pick_algo
 from .compare import crossover_topk, ep_vs_tp, recommend
 from .hardware import PRESETS, Hardware, get_hardware, load_profile, save_profile
 from .compute import count_flops, memory_per_rank
 from .model import CostLayout, MoESpec, count_params, imbalance_from_counts, routes_per_rank
-from .pipeline import stage_cost
+from .pipeline import stage_cost, step_cost
 from .report import build_report, measured_vs_predicted, render_markdown, render_text
 from .schedules import SCHEDULES, bubble_fraction
 

@@ -379,22 +379,6 @@ class StepCost:
         return self.memory.total <= self.hardware.memory_bytes
 
 
-def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float | None = None,
-              a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
-    """Check the layout against the model, then price everything for one step.
-    ``compute_efficiency`` defaults to DEFAULT_COMPUTE_EFFICIENCY on a preset's peak FLOP
-    rate and to 1.0 on a calibrated profile, whose rate is a measured matmul rate."""
-    if compute_efficiency is None:
-        compute_efficiency = 1.0 if hw.calibrated else DEFAULT_COMPUTE_EFFICIENCY
-    if not 0 < compute_efficiency <= 1:
-        raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] "
-                         f"(the fraction of the peak FLOP rate reached)")
-    if layout.pp > 1:
-        from .pipeline import pipeline_cost
-        return pipeline_cost(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)
-    return price_stage(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)
-
-
 def price_stage(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float,
                 a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
     """Everything of one rank whose layers are ``spec``'s (the whole model, or a pipeline

@@ -58,7 +58,7 @@ def parse_size(text: str) -> int:
 # ---- report ---------------------------------------------------------------------------
 
 def _report(a: argparse.Namespace) -> int:
-    from .accounting import step_cost
+    from .pipeline import step_cost
     from .report import build_report, plot_png, render_markdown, render_text, to_json
     for path, flag in ((a.markdown, "--markdown"), (a.json, "--json"), (a.png, "--png")):
         check_output_path(path, flag)

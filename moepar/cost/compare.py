@@ -18,7 +18,8 @@ import dataclasses
 import math
 
 from .. import checks
-from .accounting import StepCost, step_cost
+from .accounting import StepCost
+from .pipeline import step_cost
 from .collectives import Link, Placement, sent_bytes
 from .hardware import Hardware
 from .model import CostLayout, MoESpec, divisors

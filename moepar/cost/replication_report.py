@@ -3,7 +3,8 @@ receive cap, expert-TP and a larger EP group). Torch-free; arithmetic in ``repli
 from __future__ import annotations
 
 from ..tables import format_table
-from .accounting import StepCost, calls_per_step, step_cost, wire_bytes
+from .accounting import StepCost, calls_per_step, wire_bytes
+from .pipeline import step_cost
 from .model import layout_imbalance
 from .replication import expert_slice_params, receive_cap_drops, replica_plan
 from .units import fmt_bytes, fmt_time

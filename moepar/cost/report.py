@@ -11,7 +11,8 @@ import math
 from typing import Iterable, Sequence
 
 from ..tables import format_table
-from .accounting import StepCost, calls_per_step, step_cost
+from .accounting import StepCost, calls_per_step
+from .pipeline import step_cost
 from .collectives import Placement
 from .compare import crossover_topk, ep_vs_tp, sweep
 from .hardware import Hardware

@@ -32,8 +32,8 @@ import dataclasses
 from typing import Iterable
 
 from ..tables import format_table
-from .accounting import calls_per_step, step_cost, wire_bytes
-from .pipeline import check_stages, stage_cost
+from .accounting import calls_per_step, wire_bytes
+from .pipeline import check_stages, stage_cost, step_cost
 from .hardware import Hardware
 from .model import CostLayout, MoESpec, dedup_fraction
 from .replication import expert_slice_params
