@@ -123,8 +123,8 @@ def main(argv=None) -> int:
     model, blocks = load_pretrained(init, state, aux_loss="switch", aux_loss_coeff=1e-2, keep_open=True)
     file_peak = rss_mib("RssFile")   # file-backed pages: the checkpoint's maps this rank touched, libraries
     model.hf_checkpoint.close()
-    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".moe.experts." in n)
-    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".moe.experts." not in n)
+    experts = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ".mlp.experts." not in n)
     grown = rss_mib("VmHWM") - rss_before
     line = (f"rank {rank}: peak RSS grew {grown:.1f} MiB while loading (from {rss_before:.0f} MiB); this rank's "
             f"experts {experts / 2**20:.1f} MiB + dense part {dense / 2**20:.1f} MiB; slack "

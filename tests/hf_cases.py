@@ -151,8 +151,8 @@ def compare(family: str, state=None, **overrides) -> dict[str, float]:
     moe = convert_block(blk, cfg, state)
     wrapped = HFMoEBlock(moe, family_of(cfg), cfg).train(blk.training)
     y, dx = run(wrapped, x[rows], g[rows])
-    if state is not None:
-        allreduce_gradients(moe, state, op="sum")
+    if state is not None:   # the block holds the tensors (moe's modules are its children)
+        allreduce_gradients(wrapped, state, op="sum")
     out = {"y": float((y - y_ref[rows]).abs().max()), "dx": float((dx - dx_ref[rows]).abs().max()),
            "scale": float(y_ref.abs().max())}
     grads = hf_state_dict(moe, cfg, grads=True)
@@ -255,9 +255,9 @@ def dropin_worker(tp: int, ep: int, families: list[str]):
     (aux loss, transformers' aux loss) (Switch: its loss, which holds them), the largest
     logits difference after ``load_state_dict`` of transformers' full state dict and of the
     rank's own ``state_dict()``, and
-    whether ``state_dict()`` has transformers' keys with this rank's shards' shapes."""
+    whether ``state_dict()`` and ``named_parameters()`` have transformers' keys with this
+    rank's shards' shapes."""
     from moepar.hf import HFMoEBlock, replace_moe_blocks
-    from moepar.hf.names import _shard_shapes, local_hf_tensors
     from moepar.parallel import init_parallel
     state = init_parallel(tp, ep, verbose=False)
     out = {}
@@ -271,12 +271,13 @@ def dropin_worker(tp: int, ep: int, families: list[str]):
             got = ref(**inputs, output_router_logits=True)
             sd = {k: v.clone() for k, v in ref.state_dict().items()}
             blocks = {n: m for n, m in ref.named_modules() if isinstance(m, HFMoEBlock)}
-            shards_ok = all(sd[n + "." + k].shape == v.shape for n, m in blocks.items()
-                            for k, v in local_hf_tensors(m).items()) and len(blocks) == 2
+            names = set(sd) | {n for n, _ in ref.named_parameters()}
+            shards_ok = len(blocks) == 2 and names == set(sd) and all(
+                tuple(sd[n + "." + k].shape) == v for n, m in blocks.items() for k, v in _shard_shapes(m).items())
             dense_ok = all(torch.equal(sd[k], t) for k, t in plain.items()
                            if not any(k.startswith(n + ".") for n in blocks))
-            shapes_ok = all(tuple(local_hf_tensors(m)[k].shape) == v for m in blocks.values()
-                            for k, v in _shard_shapes(m, *_block_dims(m)).items())
+            # the same keys as transformers', but Switch's other ranks' experts
+            shapes_ok = {k for k in sd if ".expert_" not in k} == {k for k in plain if ".expert_" not in k}
             reloaded = []
             for source in (plain, sd):   # the full tensors, and this rank's own shards
                 for p in ref.parameters():
@@ -319,7 +320,57 @@ def meta_init_worker(tp: int, ep: int, families: list[str]):
     return out
 
 
-def _block_dims(block):
-    from moepar.hf.families import block_dims
-    D, E, Fh, S, opts = block_dims(block.hf_config)
-    return E, D, Fh, S, block.moe.router.bias is not None
+def _shard_shapes(block) -> dict:
+    """HF key -> this rank's shard's shape: its experts [L, ...] (Switch's by global index),
+    its ffn columns (expert TP), its rows / columns of the shared experts (TP)."""
+    from moepar.hf.families import block_dims, expected_shapes
+    moe, fam = block.moe, block.family
+    D, E, Fh, S, _ = block_dims(block.hf_config)
+    ex, st = moe.experts, moe.state
+    L, Fl = ex.num_local_experts, ex.ffn_local
+    out = expected_shapes(fam, L, D, Fl, S // st.tp_size if S else 0, moe.router.bias is not None)
+    for key, shape in expected_shapes(fam, E, D, Fh, S, moe.router.bias is not None).items():
+        if key.startswith(fam.router):   # the router is replicated
+            out[key] = shape
+    if fam.layout == "per_expert":
+        out = {k: v for k, v in out.items() if not k.startswith("experts.")}
+        out.update({f"experts.expert_{ex.first_expert + e}.{n}.weight": s for e in range(L)
+                    for n, s in (("wi", (Fl, D)), ("wo", (D, Fl)))})
+    return out
+
+
+def fsdp_dcp_worker(families: list[str], ep: int, path: str, phase: str) -> dict:
+    """Per family on this rank of an ep layout, swapped: phase "fsdp": (largest logits
+    difference to transformers' on the replica's sequence after ``moepar.fully_shard``,
+    every parameter got a gradient); "save": ``moepar.checkpoint.save`` to path/family;
+    "load": the largest logits difference after zeroing and ``moepar.checkpoint.load``."""
+    import moepar
+    from moepar import checkpoint
+    from moepar.hf import replace_moe_blocks
+    from moepar.parallel import init_parallel
+    state = init_parallel(1, ep, verbose=False)
+    out = {}
+    for family in families:
+        ref = model(family)
+        inputs = model_inputs(family)
+        if phase == "fsdp":
+            inputs = {k: v[state.dp_rank:state.dp_rank + 1] for k, v in model_inputs(family, batch=state.dp_size).items()}
+        with torch.no_grad():
+            want = ref(**inputs).logits
+        replace_moe_blocks(ref, state)
+        if phase == "fsdp":
+            moepar.fully_shard(ref, state)
+            got = ref(**inputs)
+            got.loss.backward()
+            out[family] = (float((got.logits.detach() - want).abs().max()),
+                           all(p.grad is not None for p in ref.parameters()))
+        elif phase == "save":
+            checkpoint.save(os.path.join(path, family), ref, state=state)
+        else:
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p.zero_()
+            checkpoint.load(os.path.join(path, family), ref, state=state)
+            with torch.no_grad():
+                out[family] = float((ref(**inputs).logits - want).abs().max())
+    return out

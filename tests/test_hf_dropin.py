@@ -206,6 +206,10 @@ def test_state_dict_and_save_load_both_ways(family, tmp_path):
     assert sorted(got) == sorted(want)
     for k, t in want.items():
         assert got[k].shape == t.shape and got[k].dtype == t.dtype and torch.equal(got[k], t), k
+    for named in ("named_parameters", "named_buffers"):   # the tensors themselves carry the names
+        theirs, mine = dict(getattr(ref, named)()), dict(getattr(swapped, named)())
+        assert sorted(mine) == sorted(theirs), named
+        assert all(mine[k].shape == t.shape and mine[k].dtype == t.dtype for k, t in theirs.items()), named
     names = set(want)
     for pattern in (getattr(ref, "_tp_plan", None) or {}):
         assert _matches(pattern, got) == _matches(pattern, names), pattern
@@ -227,3 +231,73 @@ def test_state_dict_and_save_load_both_ways(family, tmp_path):
             p.zero_()
         swapped.load_state_dict(want)
         assert float((swapped(**inputs).logits - y).abs().max()) <= 1e-5
+
+
+@pytest.mark.parametrize("family", hf_cases.FAMILIES)
+def test_from_pretrained_into_a_model_swapped_at_construction(family, tmp_path, monkeypatch):
+    # A class whose blocks are swapped in __init__ (post_init), as a test suite patching
+    # transformers would: transformers' loader sets every tensor through the submodule paths
+    # (``...mlp.experts`` + ``gate_up_proj``), which the swapped block has.
+    from transformers import PreTrainedModel
+    from moepar.hf import HFMoEBlock, replace_moe_blocks
+    from moepar.hf.convert import text_config
+    ref = hf_cases.model(family)
+    ref.save_pretrained(tmp_path)
+    inputs = hf_cases.model_inputs(family)
+    with torch.no_grad():
+        want = ref(**inputs).logits
+    original = PreTrainedModel.post_init
+
+    def post_init(self):
+        original(self)
+        if getattr(text_config(self), "model_type", None) == family:
+            replace_moe_blocks(self)
+    monkeypatch.setattr(PreTrainedModel, "post_init", post_init)
+    model, info = type(ref).from_pretrained(tmp_path, output_loading_info=True)
+    assert not any(info.values()), info
+    blocks = [m for m in model.modules() if isinstance(m, HFMoEBlock)]
+    assert len(blocks) == 2
+    for blk in blocks:   # moepar's markers survive the loader's Parameter replacement
+        ex = [p for n, p in blk.named_parameters() if n.startswith("experts.")]
+        assert ex and all(p.moepar_expert and hasattr(p, "moepar_expert_partition_dim") for p in ex)
+    with torch.no_grad():
+        got = model.float().eval()(**inputs).logits
+    assert float((got - want).abs().max()) <= 1e-5
+    # and back: its save_pretrained loads into the plain class
+    monkeypatch.setattr(PreTrainedModel, "post_init", original)
+    model.save_pretrained(tmp_path / "back")
+    back, info = type(ref).from_pretrained(tmp_path / "back", output_loading_info=True)
+    assert not any(info.values()), info
+    with torch.no_grad():
+        assert torch.equal(back.float().eval()(**inputs).logits, want)   # the same tensors as ref's
+
+
+def test_fsdp2_and_dcp_checkpoint_of_swapped_models(tmp_path):
+    # The HF-named tensors carry moepar's markers: moepar.fully_shard shards them (ep2 x edp1
+    # over 2 ranks, the experts' views read from the unsharded tensors), and moepar.checkpoint
+    # saves them with their global shapes: ep2 -> ep2 and ep2 -> ep1 (2 replicas).
+    from .multiproc import run_ranks
+    families = ["mixtral", "qwen2_moe", "deepseek_v3", "gpt_oss", "llama4_text"]   # shared, bias, layouts
+    for rank in run_ranks(hf_cases.fsdp_dcp_worker, 2, families, 2, str(tmp_path), "fsdp"):
+        for family, (diff, grads) in rank.items():
+            assert diff <= 1e-5 and grads, (family, diff, grads)
+    run_ranks(hf_cases.fsdp_dcp_worker, 2, families, 2, str(tmp_path), "save")
+    for ep in (2, 1):
+        for rank in run_ranks(hf_cases.fsdp_dcp_worker, 2, families, ep, str(tmp_path), "load"):
+            assert all(v <= 1e-5 for v in rank.values()), (ep, rank)
+
+
+def test_update_expert_bias_moves_transformers_buffer():
+    # DeepSeek-V3's selection bias is transformers' buffer; moepar's aux-loss-free update moves it
+    from moepar.hf import HFMoEBlock, replace_moe_blocks
+    model = hf_cases.model("deepseek_v3")
+    replace_moe_blocks(model)
+    model.train()
+    model(**hf_cases.model_inputs("deepseek_v3"))
+    blk = next(m for m in model.modules() if isinstance(m, HFMoEBlock))
+    assert blk.moe.router.expert_bias is blk.gate.e_score_correction_bias
+    assert "gate.load_accum" not in dict(blk.named_buffers()) and blk.moe.router.load_accum.sum() > 0
+    before = blk.gate.e_score_correction_bias.clone()
+    blk.moe.update_expert_bias(0.01)
+    assert float((blk.gate.e_score_correction_bias - before).abs().max()) == pytest.approx(0.01)
+    assert not blk.moe.router.load_accum.any()

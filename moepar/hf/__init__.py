@@ -7,8 +7,9 @@ families to moepar ``MoE`` layers and back. The moepar core never imports this p
   save_hf_checkpoint(model, path)                     (config + model.safetensors)
   SafetensorsCheckpoint(path), load_pretrained(path, state)   (each rank reads its experts)
 
-A swapped model keeps transformers' state-dict names and layouts (``names``; ``moepar_names()``
-for moepar's own), records router logits where transformers collects them (``block``), and
+A swapped block holds its parameters and buffers under transformers' names and layouts
+(``modules``: ``named_parameters()``, ``state_dict()`` and ``from_pretrained`` are
+transformers'), records router logits where transformers collects them (``block``), and
 is initialised by transformers' ``init_weights()`` as its own blocks are (``init``).
 
 Families (by ``config.model_type``): see ``FAMILIES`` and docs/hf.md.
@@ -24,7 +25,7 @@ _NAMES = {
     "FAMILIES": ".catalog", "Family": ".catalog",
     **{n: ".families" for n in ("HF_ACTIVATIONS", "family_of", "moe_options")},
     **{n: ".init" for n in ("init_block", "init_spec")},
-    "moepar_names": ".names",
+    **{n: ".modules" for n in ("HFExperts", "HFRouter", "HFSharedExperts")},
 }
 __all__ = sorted(_NAMES)
 __getattr__, __dir__ = _attach(__name__, _NAMES)

@@ -9,6 +9,11 @@ family's router gives them (the input's; float32 for DeepSeek-V2/V3, GLM-4-MoE,
 GraniteMoE, Switch). The model's own ``aux_loss`` (``load_balancing_loss_func``) then
 comes out as transformers' own. Off, nothing is computed or kept.
 
+The block holds its tensors where transformers' block does, under its names and layouts
+(``moepar.hf.modules``): ``named_parameters()``, ``named_buffers()`` and ``state_dict()``
+are transformers', and transformers' loader sets them through the same submodule paths.
+The ``MoE`` stays reachable as ``block.moe`` (a child without children of its own).
+
 Legend: T tokens, D hidden, E experts, K top-k.
 """
 from __future__ import annotations
@@ -24,6 +29,7 @@ from moepar.moe.recompute import rng_replayed
 
 from . import names
 from .families import Family
+from .modules import adopt
 
 # Families whose router computes its logits in float32 whatever the input's dtype.
 FP32_LOGITS = ("deepseek_v3", "glm4_moe", "deepseek_v2", "granitemoe", "switch_transformers")
@@ -56,7 +62,15 @@ class HFMoEBlock(nn.Module):
 
     def __init__(self, moe: MoE, family: Family, config, hf_dtypes: dict | None = None):
         super().__init__()
-        self.moe = moe
+        for path, module in adopt(moe, family, hf_dtypes).items():   # transformers' children
+            parent = self
+            *heads, last = path.split(".")
+            for head in heads:   # e.g. Switch's router.classifier
+                if head not in parent._modules:
+                    parent.add_module(head, nn.Module())
+                parent = parent._modules[head]
+            parent.add_module(last, module)
+        self.moe = moe   # no children of its own: its modules are the ones above
         self.family = family
         # dtypes of transformers' tensors ("experts": the expert weights'; HF key -> dtype)
         self.hf_dtypes = dict(hf_dtypes or {})
@@ -69,8 +83,7 @@ class HFMoEBlock(nn.Module):
             if family.model_type == "mixtral" else 0.0
         if self.returns != "tensor":
             self._hook_router()
-        # state_dict() / load_state_dict() in transformers' names and layouts (moepar.hf.names)
-        self.register_state_dict_post_hook(names.state_dict_hook)
+        # load_state_dict() of transformers' full tensors into a sharded block (moepar.hf.names)
         self.register_load_state_dict_pre_hook(names.load_hook)
 
     def _hook_router(self) -> None:
@@ -115,7 +128,7 @@ class HFMoEBlock(nn.Module):
             eps = r.config.noise_eps
             with rng_replayed(x.device, routing.noise_rng):
                 x = x * torch.empty_like(x).uniform_(1.0 - eps, 1.0 + eps)
-        logits = F.linear(x, r.weight, r.bias)
+        logits = F.linear(x, r.weight.float(), None if r.bias is None else r.bias.float())
         if self.model_type not in FP32_LOGITS:
             logits = logits.to(hidden_states.dtype)
         if self.model_type == "switch_transformers":

@@ -26,7 +26,7 @@ from . import families
 from .families import Family
 from .block import HFMoEBlock
 from .init import hook_init_weights
-from .names import moepar_names
+from .modules import CANONICAL_PDIM, canonical_local
 
 
 class DictSource:
@@ -134,8 +134,9 @@ def _gather(t: torch.Tensor, group, dim: int) -> torch.Tensor:
 @torch.no_grad()
 def hf_state_dict(moe: MoE, config, prefix: str = "", grads: bool = False) -> dict[str, torch.Tensor]:
     """The HF block's tensors (``prefix`` + its keys), full, on every rank: experts gathered
-    over EP (and ETP), shared experts over TP. A collective: call it on every rank.
-    ``grads=True``: the parameters' gradients in the same layout (buffers left out)."""
+    over EP (and ETP), shared experts over TP, each in the dtype the block holds it.
+    A collective: call it on every rank. ``grads=True``: the parameters' gradients in the
+    same layout (buffers left out)."""
     fam = families.family_of(config)
     st, ex = moe.state, moe.experts
 
@@ -144,17 +145,12 @@ def hf_state_dict(moe: MoE, config, prefix: str = "", grads: bool = False) -> di
             return None
         return (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
     full = {}
-    for name in ("w1", "w3", "w2", "b1", "b3", "b2"):
-        p = getattr(ex, name, None)
-        if p is None:
-            continue
-        t = val(p).detach()
-        pdim = getattr(p, "moepar_expert_partition_dim", None)
-        if pdim is not None and st.etp_size > 1:
-            t = _gather(t, st.etp_group, pdim)
+    for name, t in canonical_local(ex, grads).items():
+        t = t.detach()
+        if CANONICAL_PDIM[name] is not None and st.etp_size > 1:
+            t = _gather(t, st.etp_group, CANONICAL_PDIM[name])
         full[name] = _gather(t, st.ep_group, 0)
-    dtype = ex.w1.dtype
-    out = {prefix + k: v.to(dtype) for k, v in families.write_experts(fam, full).items()}
+    out = {prefix + k: v for k, v in families.write_experts(fam, full).items()}
     keys = families.dense_keys(fam, moe.router.bias is not None)
     dense = {"router_weight": val(moe.router.weight), "router_bias": val(moe.router.bias),
              "expert_bias": None if grads else getattr(moe.router, "expert_bias", None)}
@@ -166,7 +162,7 @@ def hf_state_dict(moe: MoE, config, prefix: str = "", grads: bool = False) -> di
                      shared_gate=None if sh.gate is None else val(sh.gate.weight))
     for name, key in keys.items():
         if dense[name] is not None:
-            out[prefix + key] = dense[name].detach().to(dtype).clone()
+            out[prefix + key] = dense[name].detach().clone()
     return out
 
 
@@ -212,9 +208,7 @@ def hf_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     collective, call it on every rank). transformers loads it into the original class."""
     blocks = {n: m for n, m in model.named_modules() if isinstance(m, HFMoEBlock)}
     out = {}
-    with moepar_names():   # the blocks' own tensors, replaced by their gathered HF ones below
-        sd = model.state_dict()
-    for key, t in sd.items():
+    for key, t in model.state_dict().items():   # the blocks' own shards: replaced by the gathered ones
         if not any(key.startswith(n + ".") for n in blocks):
             out[key] = t.detach().clone()   # clone: tied tensors become separate for safetensors
     for n, m in blocks.items():

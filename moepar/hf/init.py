@@ -26,6 +26,7 @@ from moepar.moe.experts import _expert_seed
 from moepar.moe.layer_options import copy_local
 
 from . import families
+from .modules import HFExperts, canonical_local
 
 # canonical tensor -> its index in the seed mix (fixed: the draws depend on it)
 _TENSORS = ("router_weight", "router_bias", "w1", "w3", "w2", "b1", "b3", "b2", "shared_w1", "shared_w3",
@@ -56,32 +57,48 @@ def _draw(seed: int, name: str, shape, std: float, g: int = 0) -> torch.Tensor:
     return out
 
 
+def _loaded(t) -> bool:
+    """A tensor transformers' loader (or init) flagged as set: its init leaves it alone."""
+    return bool(getattr(t, "_is_hf_initialized", False))
+
+
+def _put(p, value) -> None:
+    if p is not None and not _loaded(p):
+        copy_local(p, value.to(p.dtype))
+
+
 @torch.no_grad()
 def init_block(block) -> None:
     """Initialise an ``HFMoEBlock``'s tensors as transformers initialises its family's block
-    (``init_spec``); this rank's share of each (its experts, its ffn columns, its TP rows)."""
+    (``init_spec``); this rank's share of each (its experts, its ffn columns, its TP rows).
+    Tensors flagged ``_is_hf_initialized`` (read from a checkpoint) keep their values; the
+    draws are the same either way."""
     moe, spec = block.moe, init_spec(block.hf_config)
     seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
     r, ex, sh, st = moe.router, moe.experts, moe.shared, moe.state
-    copy_local(r.weight, _draw(seed, "router_weight", r.weight.shape, spec["router_weight"]))
+    _put(r.weight, _draw(seed, "router_weight", r.weight.shape, spec["router_weight"]))
     if r.bias is not None:
-        copy_local(r.bias, _draw(seed, "router_bias", r.bias.shape, spec["router_bias"]))
+        _put(r.bias, _draw(seed, "router_bias", r.bias.shape, spec["router_bias"]))
     if r.expert_bias is not None:
-        r.expert_bias.zero_()
+        if not _loaded(r.expert_bias):
+            r.expert_bias.zero_()
         r.load_accum.zero_()
     cols = slice(ex.etp_rank * ex.ffn_local, (ex.etp_rank + 1) * ex.ffn_local)
     D, Fh = ex.hidden, ex.ffn_hidden
     full_shapes = {"w1": (D, Fh), "w3": (D, Fh), "w2": (Fh, D), "b1": (Fh,), "b3": (Fh,), "b2": (D,)}
-    for name, shape in full_shapes.items():
-        p = getattr(ex, name, None)
-        if p is None:
-            continue
-        local = torch.empty(p.shape, dtype=p.dtype, device="cpu")   # [L, ...] this rank's experts
+    local = {}
+    for name, view in canonical_local(ex).items():   # [L, ...] this rank's experts
+        t_local = torch.empty(view.shape, dtype=torch.float32, device="cpu")
         for e in range(ex.num_local_experts):
-            t = _draw(seed, name, shape, spec[name], ex.first_expert + e)
-            local[e] = t[:, cols] if name in ("w1", "w3") else t[cols] if name in ("w2", "b1", "b3") else t
-        copy_local(p, local)
-        del local
+            t = _draw(seed, name, full_shapes[name], spec[name], ex.first_expert + e)
+            t_local[e] = t[:, cols] if name in ("w1", "w3") else t[cols] if name in ("w2", "b1", "b3") else t
+        local[name] = t_local
+    if isinstance(ex, HFExperts):
+        ex.write_canonical(local, skip=_loaded)
+    else:
+        for name, t in local.items():
+            _put(getattr(ex, name), t)
+    del local
     if sh is not None:
         for name, lin, rows in (("shared_w1", sh.w1, True), ("shared_w3", sh.w3, True), ("shared_w2", sh.w2, False)):
             if lin is None:
@@ -89,9 +106,9 @@ def init_block(block) -> None:
             full = _draw(seed, name, (lin.out_features, lin.in_features), spec[name])
             n = lin.weight.shape[0] if rows else lin.weight.shape[1]
             part = full[st.tp_rank * n:(st.tp_rank + 1) * n] if rows else full[:, st.tp_rank * n:(st.tp_rank + 1) * n]
-            copy_local(lin.weight, part)
+            _put(lin.weight, part)
         if sh.gate is not None:
-            copy_local(sh.gate.weight, _draw(seed, "shared_gate", sh.gate.weight.shape, spec["shared_gate"]))
+            _put(sh.gate.weight, _draw(seed, "shared_gate", sh.gate.weight.shape, spec["shared_gate"]))
 
 
 class HFInitWeights:
@@ -107,7 +124,7 @@ class HFInitWeights:
         from .block import HFMoEBlock
         if isinstance(module, HFMoEBlock):
             init_block(module)
-        else:
+        elif not getattr(module, "_moepar_hf_part", False):   # a block's part: init_block's
             type(self.model)._init_weights(self.model, module)
 
 
