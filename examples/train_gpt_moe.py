@@ -225,7 +225,7 @@ def train(args) -> dict:
         extra = checkpoint.load(path, model, opt, extra_keys=("step", "metrics"), state=state, rng=True)
         start, metrics = extra["step"], extra["metrics"]
         metrics["resumed_at"] = start
-        _restore_replicas(model, metrics.get("replicas"))
+        moepar.load_placement_state(model, metrics.get("replicas"))
         log(f"resumed from {path} (step {start})")
     all_events: list[comm.CommEvent] = []
     rows_in = _watch_expert_rows(model)  # rows each MoE layer's experts got (the report's routing input)
@@ -294,11 +294,11 @@ def train(args) -> dict:
                 f"allreduce {by_op['all_reduce']:.0f} allgather+rs {by_op['all_gather'] + by_op['reduce_scatter']:.0f}"
                 f" compute {(dt - events.seconds()) * 1e3:.0f}")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-            metrics["replicas"] = _replica_state(model)
+            metrics["replicas"] = moepar.placement_state(model)
             checkpoint.save_checkpoint(ckpt_dir, step + 1, model, opt, {"metrics": metrics}, state)
     metrics["wall_seconds"] = time.perf_counter() - t_start
     if args.steps > start:
-        metrics["replicas"] = _replica_state(model)
+        metrics["replicas"] = moepar.placement_state(model)
         checkpoint.save_checkpoint(ckpt_dir, args.steps, model, opt, {"metrics": metrics}, state)
     metrics["received_rows"] = received_rows
     metrics["replica_copies"] = replica_copies
@@ -306,26 +306,6 @@ def train(args) -> dict:
     metrics["rebalance_calls"] = rebalance_calls
     _finish(args, cfg, state, model, metrics, all_events, device, log)
     return metrics
-
-
-def _replica_state(model) -> dict:
-    """{MoE layer name: (slot map, routes counted since the last rebalance)} for the layers
-    with copies: saved with the metrics so that a resumed run places and rebalances as the
-    uninterrupted one (the checkpointed parameters are the logical experts alone)."""
-    out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, moepar.MoE) and m.replicas is not None:
-            loads = m.replicas.loads_E
-            out[name] = (m.placement, None if loads is None else loads.tolist())
-    return out
-
-
-def _restore_replicas(model, saved: dict | None) -> None:
-    for name, m in model.named_modules():
-        if saved and name in saved and isinstance(m, moepar.MoE) and m.replicas is not None:
-            placement, loads = saved[name]
-            m.replicas.set_placement(placement)
-            m.replicas.loads_E = None if loads is None else torch.tensor(loads, device=m.router.weight.device)
 
 
 def _resume_path(args, ckpt_dir: str) -> str | None:

@@ -25,7 +25,8 @@ _NAMES = {
     "RouterConfig": ".moe.router", "Routing": ".moe.router", "TopKRouter": ".moe.router",
     "GroupedExperts": ".moe.experts",
     "LoadReport": ".moe.load_report", "load_report": ".moe.load_report",
-    "rebalance": ".moe.rebalance", "Rebalanced": ".moe.rebalance",
+    "rebalance": ".moe.rebalance", "Rebalanced": ".moe.rebalance", "placement_state": ".moe.rebalance",
+    "load_placement_state": ".moe.rebalance",
     "release_cpu_buffers": ".moe.cpu:release", "cpu_buffer_stats": ".moe.cpu:stats",
     **{name: ".parallel" for name in (
         "ColumnParallelLinear", "ParallelState", "RowParallelLinear", "VocabParallelEmbedding",
@@ -34,7 +35,7 @@ _NAMES = {
     "init_distributed": ".parallel.faults", "CollectiveError": ".parallel.faults",
 }
 __all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "load_report", "LoadReport", "rebalance",
-           "Rebalanced", "TopKRouter",
+           "Rebalanced", "placement_state", "load_placement_state", "TopKRouter",
            "Routing", "GroupedExperts", "ColumnParallelLinear", "ParallelState", "RowParallelLinear",
            "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",
            "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "Pipeline", "release_cpu_buffers",

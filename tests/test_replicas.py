@@ -200,3 +200,43 @@ def _checkpoint_across_r(path, R_save, R_load):
 def test_a_checkpoint_saved_at_one_r_loads_at_another(tmp_path, R_save, R_load):
     for diff, sdiff, same_keys in run_ranks(_checkpoint_across_r, 4, str(tmp_path / "ckpt"), R_save, R_load):
         assert diff == 0.0 and sdiff == 0.0 and same_keys
+
+
+def _resume_exact(path):
+    """3 steps with a rebalance after each, against 2 steps, a checkpoint with the placement
+    state beside it, a fresh layer loading both, and the third step: bitwise equal."""
+    state = moepar.init_parallel(1, 2, 1, verbose=False)
+    from moepar import checkpoint
+
+    def steps(model, opt, lo, hi):
+        for step in range(lo, hi):
+            x, g = _batch(step, state.dp_rank)
+            ((model(x) * g).sum() + moepar.aux_loss(model)).backward()
+            moepar.allreduce_gradients(model, state)
+            opt.step()
+            opt.zero_grad()
+            moepar.rebalance(model)
+
+    x, g = _batch(9, state.dp_rank)
+    whole = _layer(state, 2)
+    opt = torch.optim.AdamW(whole.parameters(), lr=LR)
+    steps(whole, opt, 0, 2)
+    whole(x)   # a forward after the rebalance: its counted load goes into the next plan
+    steps(whole, opt, 2, 3)
+    first = _layer(state, 2)
+    opt1 = torch.optim.AdamW(first.parameters(), lr=LR)
+    steps(first, opt1, 0, 2)
+    first(x)   # the same forward: counted load the placement state must keep
+    saved = moepar.placement_state(first)
+    checkpoint.save(path, first, opt1, extra={"placements": saved}, rng=False)
+    resumed = _layer(state, 2, seed=99)
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=LR)
+    extra = checkpoint.load(path, resumed, opt2, extra_keys=("placements",))
+    moepar.load_placement_state(resumed, extra["placements"])
+    steps(resumed, opt2, 2, 3)
+    return (all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
+            and whole.placement == resumed.placement)
+
+
+def test_a_resumed_run_with_the_placement_state_equals_the_uninterrupted_one(tmp_path):
+    assert all(run_ranks(_resume_exact, 4, str(tmp_path / "ckpt")))

@@ -93,3 +93,25 @@ def remote_slots(placement: Placement) -> int:
     """Slots of the EP group holding a copy away from the expert's owner (rank g // (E/ep))."""
     L = placement.num_experts // placement.ep_size
     return sum(1 for r, held in enumerate(placement.slots) for g in held if g // L != r)
+
+
+def placement_state(model: nn.Module) -> dict:
+    """{layer name: (slot map, routes counted since the last rebalance as a list, or None)}
+    for every replicated MoE layer: plain picklable values to keep beside a checkpoint (which
+    stores the logical experts alone), so that a resumed run places and rebalances as the
+    uninterrupted one. One host read per layer."""
+    out = {}
+    for name, m in model.named_modules():
+        if isinstance(m, MoE) and m.replicas is not None:
+            loads = m.replicas.loads_E
+            out[name] = (m.placement, None if loads is None else loads.tolist())
+    return out
+
+
+def load_placement_state(model: nn.Module, saved: dict | None) -> None:
+    """Put back what ``placement_state`` returned (layers it does not name keep theirs)."""
+    for name, m in model.named_modules():
+        if saved and name in saved and isinstance(m, MoE) and m.replicas is not None:
+            placement, loads = saved[name]
+            m.replicas.set_placement(placement)
+            m.replicas.loads_E = None if loads is None else torch.tensor(loads, device=m.router.weight.device)
