@@ -92,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "redundant_experts option; divisible by --ep)")
     g.add_argument("--rebalance-every", type=int, default=0,
                    help="re-place the copies from the measured load every N steps (moepar.rebalance; 0: never)")
+    g.add_argument("--rebalance-decay", type=float, default=0.0,
+                   help="plan from decay x the previous plan's load + the new counts (moepar.rebalance's decay)")
     g = p.add_argument_group("training")
     g.add_argument("--steps", type=int, default=300)
     g.add_argument("--batch-size", type=int, default=16, help="global batch (sequences per step)")
@@ -258,7 +260,7 @@ def train(args) -> dict:
             loss = _mean_over_dp(ce, state)
             if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
                 rebalance_calls += 1
-                for r in moepar.rebalance(model):
+                for r in moepar.rebalance(model, decay=args.rebalance_decay):
                     metrics.setdefault("rebalances", []).append((step + 1, r.layer, r.before, r.after))
         dt = time.perf_counter() - t0
         all_events.extend(events.events)

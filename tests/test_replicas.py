@@ -240,3 +240,24 @@ def _resume_exact(path):
 
 def test_a_resumed_run_with_the_placement_state_equals_the_uninterrupted_one(tmp_path):
     assert all(run_ranks(_resume_exact, 4, str(tmp_path / "ckpt")))
+
+
+def _decayed(decay):
+    state = moepar.init_parallel(1, 2, 1, verbose=False)
+    model = _layer(state, 2)
+    seen = []
+    for step in range(2):
+        x, _ = _batch(step, state.dp_rank)
+        model(x)
+        seen.append(moepar.rebalance(model, decay=decay)[0].loads)
+    return seen, model.replicas.planned_loads
+
+
+def test_rebalance_decay_plans_from_a_moving_average_of_the_loads():
+    for (first, second), planned in run_ranks(_decayed, 4, 0.5):
+        assert sum(first) > 0 and list(second) == planned
+        # the second plan: half the first load plus the routes counted since
+        fresh = [b - 0.5 * a for a, b in zip(first, second)]
+        assert all(f >= 0 and float(f).is_integer() for f in fresh) and sum(fresh) == sum(first)
+    with pytest.raises(ValueError, match=r"decay=1.0 must be a number in \[0, 1\)"):
+        moepar.rebalance(torch.nn.Linear(2, 2), decay=1.0)

@@ -30,27 +30,33 @@ class Rebalanced:
     of the new map's slots are copies away from their owner (weights moved each forward)."""
 
     layer: str
-    loads: tuple[int, ...]
+    loads: tuple[float, ...]
     before: float
     after: float
     remote_slots: int
 
 
 def rebalance(model: nn.Module, *, ranks_per_node: int | None = None,
-              owner_slack: float = OWNER_SLACK) -> list[Rebalanced]:
+              owner_slack: float = OWNER_SLACK, decay: float = 0.0) -> list[Rebalanced]:
     """Re-place every MoE layer of ``model`` built with ``redundant_experts > 0`` from the
     routes its router produced in training forwards since the last call (or since it was
     built), summed over the stage's ranks; the counts start again from zero. A layer that
     saw no route keeps its slot map. ``ranks_per_node``: EP ranks per node (copies then
     prefer their node; ``plan_placement``); ``owner_slack``: how much more load on the
     most-loaded rank a plan keeping every expert on its owner may carry and still be chosen
-    (it moves fewer weights each forward; ``plan_placement``). ValueError, on every rank before any collective,
-    when ``model`` holds no such layer."""
+    (it moves fewer weights each forward; ``plan_placement``); ``decay`` in [0, 1): the plan
+    is made from ``decay`` x the load it was last made from + the routes counted since (0:
+    those routes alone; e.g. 0.8 with a rebalance every step: a moving average over about
+    five steps, which follows drifting routing with less of one batch's noise). ValueError,
+    on every rank before any collective, when ``model`` holds no such layer or an option is
+    out of range."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"rebalance needs a torch.nn.Module, got {type(model).__name__}")
     check_placement_args([0.0], 1, 0, 1, ranks_per_node)
     if not (isinstance(owner_slack, (int, float)) and not isinstance(owner_slack, bool) and owner_slack >= 0):
         raise ValueError(f"owner_slack={owner_slack!r} must be a finite number >= 0")
+    if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 <= decay < 1):
+        raise ValueError(f"decay={decay!r} must be a number in [0, 1) (the weight of the previous load)")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and m.replicas is not None]
     if not layers:
         raise ValueError(f"rebalance: the model ({type(model).__name__}) holds no moepar.MoE layer with "
@@ -67,7 +73,10 @@ def rebalance(model: nn.Module, *, ranks_per_node: int | None = None,
     for (name, m), counts in zip(layers, host):
         rep = m.replicas
         old = rep.placement
+        if decay and rep.planned_loads is not None:
+            counts = [decay * a + b for a, b in zip(rep.planned_loads, counts)]
         if sum(counts) > 0:
+            rep.planned_loads = list(counts)
             rep.set_placement(plan_placement(counts, m.num_experts, rep.redundant_experts, rep.ep_size,
                                              ranks_per_node=ranks_per_node, owner_slack=owner_slack))
         rep.loads_E = None
@@ -96,7 +105,8 @@ def remote_slots(placement: Placement) -> int:
 
 
 def placement_state(model: nn.Module) -> dict:
-    """{layer name: (slot map, routes counted since the last rebalance as a list, or None)}
+    """{layer name: (slot map, routes counted since the last rebalance as a list or None, the
+    load the map was planned from or None)}
     for every replicated MoE layer: plain picklable values to keep beside a checkpoint (which
     stores the logical experts alone), so that a resumed run places and rebalances as the
     uninterrupted one. One host read per layer."""
@@ -104,7 +114,7 @@ def placement_state(model: nn.Module) -> dict:
     for name, m in model.named_modules():
         if isinstance(m, MoE) and m.replicas is not None:
             loads = m.replicas.loads_E
-            out[name] = (m.placement, None if loads is None else loads.tolist())
+            out[name] = (m.placement, None if loads is None else loads.tolist(), m.replicas.planned_loads)
     return out
 
 
@@ -112,6 +122,7 @@ def load_placement_state(model: nn.Module, saved: dict | None) -> None:
     """Put back what ``placement_state`` returned (layers it does not name keep theirs)."""
     for name, m in model.named_modules():
         if saved and name in saved and isinstance(m, MoE) and m.replicas is not None:
-            placement, loads = saved[name]
+            placement, loads, planned = saved[name]
             m.replicas.set_placement(placement)
+            m.replicas.planned_loads = planned
             m.replicas.loads_E = None if loads is None else torch.tensor(loads, device=m.router.weight.device)

@@ -106,6 +106,7 @@ class Replicas:
         self.num_experts, self.redundant_experts, self.ep_size = num_experts, redundant_experts, ep_size
         self.state, self.stats = state, stats
         self.loads_E: torch.Tensor | None = None   # created on the routing's device
+        self.planned_loads: list | None = None      # the load the slot map was made from (host)
         # uniform load: the unreplicated layout plus copies balances it; only copies travel
         self.set_placement(plan_placement([1.0] * num_experts, num_experts, redundant_experts, ep_size,
                                           owner_slack=OWNER_SLACK))
