@@ -20,7 +20,7 @@ import random
 import torch
 
 from moepar.moe.config import MoEConfig, make_config
-from moepar.moe.gemm import path_supported
+from moepar.moe.experts_fn import path_supported
 
 from . import moe_ref
 from .test_moe_distributed import compare_layouts

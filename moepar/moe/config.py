@@ -17,7 +17,7 @@ import torch
 
 from .. import checks
 from .experts import ACTIVATIONS
-from .gemm import GEMM_PATHS
+from .experts_fn import GEMM_PATHS
 from .guard import check_receive_capacity_factor
 from .router import RouterConfig
 
@@ -51,7 +51,7 @@ class MoEConfig:
         aux_loss_scope: "local" (statistics over this replica's batch, DeepSpeed's) or
         "global" (over the whole global batch across data parallelism).
     Computation:
-        gemm_path: "auto" | "grouped_mm" | "loop" | "bmm" (``moepar.moe.gemm``).
+        gemm_path: "auto" | "grouped_mm" | "loop" | "bmm" (``moepar.moe.experts_fn``).
         checkpoint_experts: recompute the expert FFNs in backward.
         dtype: expert parameter dtype (default: torch's default dtype).
         init_seed, init_std: weight init (seed drawn from the default RNG when None, the

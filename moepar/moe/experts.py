@@ -11,8 +11,8 @@ Expert FFN: ``y = act(x @ w1 + b1) @ w2 + b2``; swiglu: ``(silu(x@w1+b1) * (x@w3
 
 The forward and backward are one autograd Function that calls the GEMMs directly (no
 per-expert autograd graph, no ``torch.cat``, outputs written in place into one buffer),
-through one of three GEMM paths (in ``moepar/moe/gemm.py``), all giving the same numbers
-within float rounding:
+through one of three GEMM paths (the Function and the paths: ``moepar/moe/experts_fn.py``),
+all giving the same numbers within float rounding:
 
 * ``"loop"``: a Python loop of ``mm``/``addmm`` with ``out=`` slices of one buffer;
 * ``"grouped_mm"``: ``torch.nn.functional.grouped_mm`` (CPU; CUDA with sm >= 90, bf16),
@@ -39,9 +39,8 @@ import torch.nn as nn
 
 from .. import checks
 from .activations import GATED_NAMES, PLAIN_NAMES, ClampedSwiGLU, Elementwise
-from .experts_fn import ExpertsFunction, check_counts
+from .experts_fn import GEMM_PATHS, ExpertsFunction, check_counts, resolve_gemm_path
 from .experts_op import experts_fwd
-from .gemm import GEMM_PATHS, resolve_gemm_path
 from .layer_options import copy_local
 
 
