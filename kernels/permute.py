@@ -32,8 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from . import interpreter
-from .permute_checks import check_permute_args, check_unpermute_args
-from .permute_index import inverse_row_map, route_index
+from .permute_index import check_permute_args, check_unpermute_args, inverse_row_map, route_index
 
 try:
     import triton

@@ -1,11 +1,12 @@
-"""Autograd collectives: forward values, backward values, uneven splits, no-op at size 1."""
+"""Autograd collectives (the EP all-to-all in ``comm``, the TP region ops in ``regions``):
+forward values, backward values, uneven splits, no-op at size 1."""
 import contextlib
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from moepar.parallel import comm
+from moepar.parallel import comm, regions
 from moepar.parallel.groups import init_parallel
 
 from .multiproc import run_ranks
@@ -44,32 +45,32 @@ def _region_ops(sizes):
     out = {}
     # gather_from_region along dim 0: forward cat, backward own block of the grad.
     x = base.clone().requires_grad_()
-    y = comm.gather_from_region(x, g, dim=0, sizes=sizes)
+    y = regions.gather_from_region(x, g, dim=0, sizes=sizes)
     (y * torch.arange(y.numel(), dtype=y.dtype).reshape(y.shape)).sum().backward()
     out["gather"] = (y.detach(), x.grad.clone())
     # gather_from_sequence_region: forward cat, backward reduce-scatter (sum over ranks).
     x = base.clone().requires_grad_()
-    y = comm.gather_from_sequence_region(x, g, dim=0, sizes=sizes)
+    y = regions.gather_from_sequence_region(x, g, dim=0, sizes=sizes)
     (y * (rank + 1)).sum().backward()
     out["gather_seq"] = (y.detach(), x.grad.clone())
     # reduce_scatter_to_region: input is the full [sum(sizes), 3], forward sum + own block.
     full = torch.arange(sum(sizes) * 3 if sizes else world * 6, dtype=torch.float64).reshape(-1, 3)
     x = (full * (rank + 1)).requires_grad_()
-    y = comm.reduce_scatter_to_region(x, g, dim=0, sizes=sizes)
+    y = regions.reduce_scatter_to_region(x, g, dim=0, sizes=sizes)
     (y * 2).sum().backward()
     out["reduce_scatter"] = (y.detach(), x.grad.clone())
     # scatter_to_region along the last dim (even): forward own columns, backward all-gather.
     x = torch.arange(4.0 * world, dtype=torch.float64).reshape(2, 2 * world).requires_grad_()
-    y = comm.scatter_to_region(x, g, dim=-1)
+    y = regions.scatter_to_region(x, g, dim=-1)
     (y * (rank + 1)).sum().backward()
     out["scatter"] = (y.detach(), x.grad.clone())
     # copy_to_region / reduce_from_region.
     x = torch.full((3,), float(rank + 1), dtype=torch.float64, requires_grad=True)
-    y = comm.copy_to_region(x, g)
+    y = regions.copy_to_region(x, g)
     (y * (rank + 1)).sum().backward()
     out["copy"] = (y.detach(), x.grad.clone())
     x = torch.full((3,), float(rank + 1), dtype=torch.float64, requires_grad=True)
-    y = comm.reduce_from_region(x, g)
+    y = regions.reduce_from_region(x, g)
     (y * (rank + 1)).sum().backward()
     out["reduce"] = (y.detach(), x.grad.clone())
     return out
@@ -112,10 +113,10 @@ def test_every_collective_is_skipped_at_group_size_one(monkeypatch):
     state = init_parallel(verbose=False)  # world of one: every group is None
     x = torch.randn(4, 6, requires_grad=True)
     with comm.track() as stats:
-        ys = [comm.copy_to_region(x, state.tp_group), comm.reduce_from_region(x, state.tp_group),
-              comm.scatter_to_region(x, state.tp_group), comm.gather_from_region(x, state.tp_group),
-              comm.gather_from_sequence_region(x, state.tp_group),
-              comm.reduce_scatter_to_region(x, state.tp_group),
+        ys = [regions.copy_to_region(x, state.tp_group), regions.reduce_from_region(x, state.tp_group),
+              regions.scatter_to_region(x, state.tp_group), regions.gather_from_region(x, state.tp_group),
+              regions.gather_from_sequence_region(x, state.tp_group),
+              regions.reduce_scatter_to_region(x, state.tp_group),
               comm.all_to_all(x, state.ep_group, [4], [4])]
         sum(y.sum() for y in ys).backward()
         comm.all_reduce_(x.detach().clone(), state.dp_group)

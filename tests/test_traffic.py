@@ -89,7 +89,7 @@ def test_recorded_collectives_equal_the_table(names):
             assert collections.Counter(events) == collections.Counter(want), (name, events, want)
 
 
-# ---- expert replication (issue 34): the two replica rows --------------------------------
+# ---- expert replication: the two replica rows -----------------------------------------
 
 def replica_shape(placement, ep_rank: int, expert_slice_numel: int, param_bytes: int) -> dict:
     """The LayerShape fields of a layer with redundant experts, for EP rank ``ep_rank``: pass

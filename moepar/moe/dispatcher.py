@@ -8,10 +8,13 @@ list of the forward's steps (1 is the router's):
   2. ``_tp_share``        with a TP group whose ranks hold the same tokens, keep this TP
                           rank's near-even share of them (a slice: no communication);
   3. ``_exchange_counts`` count the routes per expert on the device, all-gather one row per
-                          rank over the MoE block and read it to the host: the forward's
-                          one host read (``plan.py``). A bad input on any rank of the block
-                          raises on every rank there; the block agrees on the splits, the
-                          receive guard's quotas (``guard.py``) and the exchange form;
+                          rank over the MoE block (``counts_message``'s layout) and read it
+                          to the host: the forward's one host read. From it, identically on
+                          every rank and with no further collective (``decide``, at the
+                          end of this file): a bad input on any rank of the block raises
+                          on every rank there; the block agrees on the splits, the receive
+                          guard's quotas (``guard.py``), the expert-TP peers' and the TP
+                          peers' row counts, and the exchange form;
      ``_apply_guard``     drop the routes past this rank's quotas (receive guard only);
   4-7. the exchange form (``exchange.py``): permute the rows expert-major, start the token
                           all-to-all-v over the EP group, run the caller's ``during`` work
@@ -25,7 +28,7 @@ Its collectives, with their groups and bytes, are rows of the layer's table
 (``moepar/moe/traffic.py``), which the cost model prices and tests/test_traffic.py checks
 against what a call records; the backward reads nothing back to the host.
 The dispatcher keeps no state between calls (``combine`` needs only the metadata) and no
-process group: it reads them from the ParallelState at each call.
+process group: it reads them from the ParallelState at each call (``moe_topology``).
 """
 from __future__ import annotations
 
@@ -33,16 +36,21 @@ import dataclasses
 
 import torch
 
-from moepar_kernels.permute_checks import check_permute_args
+from moepar_kernels.permute_index import check_permute_args
 
-from ..parallel import comm
-from . import cpu, plan as planning
-from .dedup import DEDUP_MAX_FRACTION, dedup_rows
+from ..parallel import comm, device, regions
+from ..parallel.groups import MoeTopology as Topology
+from . import counts_message as msg, cpu
+from .dedup import DEDUP_MAX_FRACTION, dedup_rows, group_dedups
 from .exchange import FORMS, Call, DedupMeta, Meta, PaddedMeta, Routes, SourceMajorMeta
-from .guard import check_receive_capacity_factor, guard_drops
-from .plan import DEDUP_VOTES, SOURCE_MAJOR, Contribution, Topology, dtype_code
+from .guard import GroupLoad, check_receive_capacity_factor, guard_drops, quotas
 
 __all__ = ["Dispatcher", "Dispatched"]
+
+# dtypes are exchanged as small integer codes.
+DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+DEDUP_VOTES = {"off": 0, "auto": 1, "on": 2}
+SOURCE_MAJOR = 1      # bit of the "forms" field: this rank takes source-major rows (cpu.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,9 +116,9 @@ class Dispatcher:
         return self._state.ep_group if self._state is not None else self._ep_group
 
     def topology(self) -> Topology:
-        """This call's groups (read from the state now, never kept)."""
+        """This call's groups (the state's, computed once per state)."""
         if self._state is not None:
-            return Topology.of_state(self._state, self.sequence_parallel)
+            return self._state.moe_topology_sp if self.sequence_parallel else self._state.moe_topology
         return Topology.of_ep_group(self._ep_group)
 
     def _call(self) -> Call:
@@ -171,12 +179,12 @@ class Dispatcher:
         rank = comm.group_rank(group)
         lo = sum(sizes[:rank])
         hi = lo + sizes[rank]
-        x_TD = comm.scatter_to_region(x_TD, group, 0, sizes, stats=self.stats)
-        weights_TK = comm.scatter_to_region(weights_TK, group, 0, sizes, stats=self.stats)
+        x_TD = regions.scatter_to_region(x_TD, group, 0, sizes, stats=self.stats)
+        weights_TK = regions.scatter_to_region(weights_TK, group, 0, sizes, stats=self.stats)
         return Routes(x_TD=x_TD, expert_ids_TK=expert_ids_TK[lo:hi], weights_TK=weights_TK,
                       dropped_TK=None if dropped_TK is None else dropped_TK[lo:hi], token_sizes=sizes)
 
-    def _exchange_counts(self, call: Call, routes: Routes, tokens: int, flags: dict | None) -> planning.Plan:
+    def _exchange_counts(self, call: Call, routes: Routes, tokens: int, flags: dict | None) -> Plan:
         """Step 3: a histogram of the kept routes per global expert (out-of-range ids in a
         spare bin and counted: every rank raises on them), the dedup vote and whether this
         rank may take source-major rows, all-gathered over the block and read once."""
@@ -195,11 +203,11 @@ class Dispatcher:
             counts_E=counts_E, hidden=x.shape[1], dtype=dtype_code(x.dtype), tokens=tokens, forms=forms,
             flags={**(flags or {}), "bad_ids": bad_R.sum()}, dedup_vote=vote,
             dedup_P=dedup_rows(routes.expert_ids_TK, routes.dropped_TK, L, call.topo.ep) if vote else None)
-        rows_dev, host = planning.exchange(contribution, call.topo, E, x, self.stats)
-        planning.raise_on_bad_input(host, call.topo, E, None)
-        return planning.decide(rows_dev, host, call.topo, E, self.receive_capacity_factor)
+        rows_dev, host = exchange(contribution, call.topo, E, x, self.stats)
+        raise_on_bad_input(host, call.topo, E, None)
+        return decide(rows_dev, host, call.topo, E, self.receive_capacity_factor)
 
-    def _apply_guard(self, routes: Routes, plan: planning.Plan) -> Routes:
+    def _apply_guard(self, routes: Routes, plan: Plan) -> Routes:
         """Step 3, receive guard: drop this rank's routes past its quotas, lowest routing
         weight first within each expert (``guard.py``); they weigh 0 in the combine and the
         permute skips them. No communication: the quotas came with the counts exchange."""
@@ -228,7 +236,7 @@ class Dispatcher:
         call = self._call()
         if not self.padded and call.topo.block_size > 1:
             contribution = Contribution(counts_E=None, hidden=hidden, dtype=dtype_code(dtype), error=error)
-            planning.exchange(contribution, call.topo, self.num_experts, torch.empty(0, device=device), self.stats)
+            exchange(contribution, call.topo, self.num_experts, torch.empty(0, device=device), self.stats)
         raise ValueError(error)
 
     def exchange_empty_counts(self, like: torch.Tensor) -> None:
@@ -236,7 +244,7 @@ class Dispatcher:
         call = self._call()
         zeros = torch.zeros(self.num_experts, dtype=torch.int64, device=like.device)
         contribution = Contribution(counts_E=zeros, hidden=like.shape[-1], dtype=dtype_code(like.dtype))
-        planning.exchange(contribution, call.topo, self.num_experts, like, self.stats)
+        exchange(contribution, call.topo, self.num_experts, like, self.stats)
 
     # ---- combine ----------------------------------------------------------------------
     def combine(self, y_local: torch.Tensor, meta: Meta) -> torch.Tensor:
@@ -260,7 +268,7 @@ def _check_alone(flags: dict | None, call: Call, num_experts: int) -> None:
     counts = {name: int(t) for name, t in flags.items()}
     for name, n in counts.items():
         if n:
-            raise ValueError(planning.FLAG_ERRORS[name].format(n=n, E=num_experts))
+            raise ValueError(FLAG_ERRORS[name].format(n=n, E=num_experts))
 
 
 def _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, num_experts, capacity) -> str | None:
@@ -285,3 +293,152 @@ def _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, num_experts
         return f"weights_TK is on {weights_TK.device} but x_TD is on {x_TD.device}"
     return None
 
+
+# ---- step 3: the counts message, its exchange and the plan decided from it ------------
+def dtype_code(dtype: torch.dtype) -> int:
+    """The small integer that stands for ``dtype`` in a message (-1: none of DTYPES)."""
+    return DTYPES.index(dtype) if dtype in DTYPES else -1
+
+
+def dtype_name(code: int) -> str:
+    """The inverse of ``dtype_code``, for messages."""
+    return str(DTYPES[code]) if 0 <= code < len(DTYPES) else "?"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Contribution:
+    """This rank's row, before it is built: device counts and host facts."""
+
+    counts_E: torch.Tensor | None        # [E] kept routes per expert (device); None: abort
+    hidden: int
+    dtype: int                           # dtype_code of the dispatched rows
+    error: str | None = None             # this rank's host-side verdict
+    tokens: int = 0
+    flags: dict = dataclasses.field(default_factory=dict)   # device counts named as DEVICE_FIELDS
+    dedup_P: torch.Tensor | None = None  # [P] rows to each EP peer with dedup (device)
+    dedup_vote: int = 0
+    forms: int = 0
+
+
+def build_row(c: Contribution, num_experts: int, ep: int, dev: torch.device) -> torch.Tensor:
+    """This rank's [1, W] int64 row on ``dev``: device counts copied, host facts filled."""
+    E = num_experts
+    row = torch.zeros(1, msg.width(E, ep), dtype=torch.int64, device=dev)
+    if c.counts_E is not None:
+        row[0, :E] = c.counts_E
+        row[0, msg.column("routes", E)] = c.counts_E.sum()
+    for name, value in (("hidden", c.hidden), ("dtype", c.dtype), ("error", int(c.error is not None)),
+                        ("tokens", c.tokens), ("dedup_mode", c.dedup_vote), ("forms", c.forms)):
+        row[0, msg.column(name, E)].fill_(value)   # a fill kernel: no host data is copied
+    for name, t in c.flags.items():
+        row[0, msg.column(name, E)] = t
+    if c.dedup_P is not None:
+        row[0, msg.dedup_columns(E, ep)] = c.dedup_P
+        row[0, msg.column("dedup_rows", E)] = c.dedup_P.sum()
+    return row
+
+
+def exchange(c: Contribution, topo: Topology, num_experts: int, like: torch.Tensor,
+             stats: comm.CommStats | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather the rows over the block (bytes: ``counts_message.message_bytes``) and read
+    them to the host once: (rows on the device [B, W], the same on the host)."""
+    row = build_row(c, num_experts, topo.ep, comm.small_device(topo.block, like))
+    rows = comm.all_gather_rows(row, topo.block, stats=stats)
+    return rows, device.read_to_host(rows)
+
+
+FLAG_ERRORS = {   # the message a rank gives for its own device-side verdict
+    "nonfinite_input": "check_finite=True: non-finite values in the MoE layer input",
+    "nonfinite_logits": "router logits are NaN or inf for {n} token(s); nonfinite='propagate' turns them into "
+                        "NaN outputs instead",
+    "bad_ids": "expert_ids has {n} route(s) outside [0, num_experts={E})",
+}
+
+
+def raise_on_bad_input(host: torch.Tensor, topo: Topology, num_experts: int, own_error: str | None) -> None:
+    """Raise on every rank of the block when any rank's input is bad: a rank with its own
+    reason, the others naming the bad ranks. Also when hidden sizes or dtypes differ."""
+    E, me = num_experts, topo.rows.me
+    if own_error is not None:
+        raise ValueError(own_error)
+    col = lambda name: host[:, msg.column(name, E)]   # noqa: E731
+    for name, text in FLAG_ERRORS.items():
+        n = int(col(name)[me])
+        if n:
+            raise ValueError(text.format(n=n, E=E))
+    bad_B = col("error") > 0
+    for name in FLAG_ERRORS:
+        bad_B |= col(name) > 0
+    bad = torch.nonzero(bad_B).flatten().tolist()
+    if bad:
+        raise ValueError(f"MoE forward aborted: rank(s) {[topo.global_rank(r) for r in bad]} reported invalid "
+                         f"input (see their error); this is rank {topo.global_rank(me)}")
+    hidden, dtypes = col("hidden"), col("dtype")
+    if (hidden != hidden[me]).any() or (dtypes != dtypes[me]).any():
+        ranks = [topo.global_rank(r) for r in range(host.shape[0])]
+        raise ValueError(f"MoE forward: the hidden sizes {hidden.tolist()} and dtypes "
+                         f"{[dtype_name(c) for c in dtypes.tolist()]} of ranks {ranks} differ; every rank of "
+                         f"the layer's block must pass the same hidden size and dtype")
+    if (host[:, :E] < 0).any():
+        raise ValueError(f"MoE forward: negative route counts received: {host[:, :E].tolist()}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What the counts exchange decided, the same on every rank of an EP group.
+
+    ``send``/``recv``: rows to / from each EP peer (dedup: token rows); ``counts_SL``: rows
+    per (source block, local expert) after the token and ETP exchanges, on the host and as a
+    device tensor (S = etp*P blocks, ETP peer-major); ``etp_sizes``: rows each ETP peer
+    received; ``tp_tokens``: every TP peer's token count; ``load``: the EP group's load."""
+
+    form: str
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    counts_SL: torch.Tensor
+    counts_SL_dev: torch.Tensor
+    etp_sizes: tuple[int, ...] | None
+    tp_tokens: tuple[int, ...]
+    load: GroupLoad
+
+
+def decide(rows_dev: torch.Tensor, host: torch.Tensor, topo: Topology, num_experts: int,
+           receive_capacity_factor: float | None) -> Plan:
+    """The plan from the block's rows (no communication, no host read)."""
+    E, P, etp, R = num_experts, topo.ep, topo.etp, topo.rows
+    L = E // P
+    mine = slice(topo.ep_rank * L, (topo.ep_rank + 1) * L)
+
+    def kept_of(t: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """(load, kept, cap) of the EP group of ETP peer t: rows sub + e*etp + t."""
+        load = host[R.sub + t:R.sub + P * etp:etp, :E].contiguous()
+        if receive_capacity_factor is None:
+            return load, load, None
+        return (load, *quotas(load, receive_capacity_factor))
+
+    groups = [kept_of(t) for t in range(etp)]
+    load_PE, kept_PE, cap = groups[topo.etp_rank]
+    load = GroupLoad(load_PE, kept_PE, cap, topo.ep_rank)
+    cut = any(k is not lo and bool((k != lo).any()) for lo, k, _ in groups)
+    counts_SL = torch.cat([k[:, mine] for _, k, _ in groups])              # [etp*P, L]
+    if cut:
+        counts_SL_dev = device.to_device(counts_SL, rows_dev.device)
+    else:   # views of the gathered rows: the sub-block's [P, etp] rows, ETP peer-major
+        W = rows_dev.shape[1]
+        counts_SL_dev = rows_dev[R.sub:R.sub + P * etp].view(P, etp, W).transpose(0, 1)[:, :, mine].reshape(-1, L)
+    col = lambda name: host[list(R.ep_rows), msg.column(name, E)]   # noqa: E731
+    tp_tokens = tuple(host[list(R.tp_rows), msg.column("tokens", E)].tolist())
+    etp_sizes = tuple(int(k[:, mine].sum()) for _, k, _ in groups) if etp > 1 else None
+    send = tuple(kept_PE[topo.ep_rank].view(P, L).sum(1).tolist())
+    recv = tuple(kept_PE[:, mine].sum(1).tolist())
+    form = "rows"
+    if not cut and int(col("dedup_mode").min()) > 0 and group_dedups(col("dedup_mode"), col("dedup_rows"),
+                                                                       col("routes")):
+        dcols = msg.dedup_columns(E, P)
+        send = tuple(host[R.me, dcols].tolist())
+        recv = tuple(host[list(R.ep_rows), dcols.start + topo.ep_rank].tolist())
+        form = "dedup"
+    elif P > 1 and L > 1 and etp == 1 and int(col("forms").min()) & SOURCE_MAJOR:
+        form = "source_major"
+    return Plan(form=form, send=send, recv=recv, counts_SL=counts_SL, counts_SL_dev=counts_SL_dev,
+                etp_sizes=etp_sizes, tp_tokens=tp_tokens, load=load)

@@ -7,7 +7,7 @@ process, C slots per expert (padded).
 Each form is a stateless class with ``dispatch`` (the rows for this rank's local experts,
 expert-major unless said otherwise, and a frozen metadata record) and ``combine`` (its
 inverse: [T, D], each token's expert outputs summed with its routing weights). The
-dispatcher (``dispatcher.py``) picks the form from the counts exchange (``plan.py``):
+dispatcher (``dispatcher.py``) picks the form from the counts exchange (``Dispatcher._exchange_counts``):
 
 * ``RouteRows``: one row per kept route (the default, every backend): permute expert-major,
   one all-to-all-v, the ETP all-gather, a regroup of the received source-major blocks by
@@ -24,17 +24,20 @@ The token all-to-all is issued without waiting (``comm.all_to_all_start``); the 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from moepar_kernels.permute import permute, unpermute
 
-from ..parallel import comm
+from ..parallel import comm, regions
+from ..parallel.groups import MoeTopology as Topology
 from . import cpu, fp8
 from .dedup import dedup_expand, dedup_send
 from .guard import GroupLoad
-from .plan import Plan, Topology
+
+if TYPE_CHECKING:   # the dispatcher decides the plan and calls the forms
+    from .dispatcher import Plan
 
 During = Callable[[tuple[int, ...] | None], torch.Tensor] | None
 
@@ -191,13 +194,13 @@ def _gather_etp(call: Call, x_recv: torch.Tensor, etp_sizes) -> torch.Tensor:
     its ETP peers: all-gather them (backward: reduce-scatter)."""
     if call.topo.etp == 1:
         return x_recv
-    return comm.gather_from_sequence_region(x_recv, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
+    return regions.gather_from_sequence_region(x_recv, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
 
 
 def _return_rows(call: Call, y: torch.Tensor, etp_sizes, send, recv) -> torch.Tensor:
     """The ETP reduce-scatter of the partial outputs, then the all-to-all back to the senders."""
     if call.topo.etp > 1:
-        y = comm.reduce_scatter_to_region(y, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
+        y = regions.reduce_scatter_to_region(y, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
     return _combine_rows(call, y, send, recv)
 
 
@@ -205,7 +208,7 @@ def _tokens_back(call: Call, y_TD: torch.Tensor, token_sizes) -> torch.Tensor:
     """Undo the TP share: all-gather every TP rank's tokens (backward: keep this share)."""
     if token_sizes is None:
         return y_TD
-    return comm.gather_from_region(y_TD, call.topo.tp_group, 0, token_sizes, stats=call.stats)
+    return regions.gather_from_region(y_TD, call.topo.tp_group, 0, token_sizes, stats=call.stats)
 
 
 class RouteRows:
@@ -329,7 +332,7 @@ class PaddedRows:
         C = -(-capacity // topo.tp) * topo.tp
         x_ND, _, row_map_TK = permute(x_TD, expert_ids_TK, dropped_TK, E, capacity=C, num_rows=E * C)
         if topo.tp > 1:
-            x_ND = comm.scatter_to_region(x_ND.view(E, C, D), topo.tp_group, 1, stats=call.stats).reshape(-1, D)
+            x_ND = regions.scatter_to_region(x_ND.view(E, C, D), topo.tp_group, 1, stats=call.stats).reshape(-1, D)
         slots = C // topo.tp
         split = (L * slots,) * P
         x_recv, pending = _start_rows(call, x_ND, split, split)
@@ -354,8 +357,8 @@ class PaddedRows:
         split = (call.L * (meta.capacity // call.topo.tp),) * call.topo.ep
         y = _return_rows(call, y, meta.etp_sizes, split, split)
         if call.topo.tp > 1:   # gather every expert's slot slices back: [E, C, D]
-            y = comm.gather_from_region(y.view(call.num_experts, -1, y.shape[-1]), call.topo.tp_group, 1,
-                                        stats=call.stats).reshape(-1, y.shape[-1])
+            y = regions.gather_from_region(y.view(call.num_experts, -1, y.shape[-1]), call.topo.tp_group, 1,
+                                           stats=call.stats).reshape(-1, y.shape[-1])
         return unpermute(y, meta.row_map_TK, meta.weights_TK, meta.num_tokens)
 
 

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from moepar_kernels.permute import route_index, unpermute
-from moepar_kernels.permute_checks import check_permute_args
+from moepar_kernels.permute_index import check_permute_args
 from moepar_kernels.permute_fp8 import (BLOCK as KERNEL_BLOCK, E4M3_MAX, FP8, pack, permute_quantize,
                                         quantize_reference as quantize)
 

@@ -173,6 +173,8 @@ class MoE(nn.Module):
         # forward): the losses are then read through taps (moepar.moe.recompute).
         self._loss_cell: LossCell | None = None
         self._replay = Replay()
+        # The group the router's statistics span, by name (the table's: moepar.moe.traffic).
+        self._aux_group_name = aux_group_name(cfg.aux_loss_scope, cfg.sequence_parallel)
 
     def reset_parameters(self) -> None:
         """Initialise every parameter and buffer as at construction (the same values for the
@@ -360,7 +362,7 @@ class MoE(nn.Module):
         self._stats.capacity_dropped = routing.dropped.sum().detach()
         self._stats.load = meta.load
         self._stats.exchange_form = meta.form
-        guard = 0 if meta.load is None else meta.load.guard_dropped
+        guard = 0 if meta.load is None or meta.load.cap is None else meta.load.guard_dropped   # cap: a guard ran
         self._stats.dropped = self._stats.capacity_dropped + guard if guard else self._stats.capacity_dropped
 
     def _scaled_losses(self, routing):
@@ -389,10 +391,10 @@ class MoE(nn.Module):
         which the TP ranks share). global: the whole global batch across data parallelism
         (Megatron-Core's global-batch load balancing), so the loss does not depend on dp.
         """
-        st, name = self.state, aux_group_name(self.aux_loss_scope, self.sequence_parallel)
+        name = self._aux_group_name
         if name == "world":   # this pipeline stage's ranks (the world when pp = 1)
-            return st.stage_group
-        return {None: None, "tp": st.tp_group, "dp": st.dp_group}[name]
+            return self.state.stage_group
+        return None if name is None else self.state.groups.get(name)
 
     def update_expert_bias(self, rate: float = 1e-3) -> None:
         """Aux-loss-free balancing step (``expert_bias=True``): loads summed over the world."""

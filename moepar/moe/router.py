@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepar import checks
-from moepar.parallel import comm
+from moepar.parallel import comm, regions
 from moepar_kernels import routing as _rk
 
 from .layer_options import copy_local   # a DTensor (FSDP2) keeps its own shard
@@ -474,7 +474,7 @@ class TopKRouter(nn.Module):
         counts.append(logits_TE.new_full((1,), T, dtype=torch.int64))   # a fill: no host data copied
         diff_sum, count_sum = torch.cat(diff), torch.cat(counts)
         if comm.group_size(group) > 1:
-            diff_sum = comm.reduce_from_region(diff_sum, group, stats=comm_stats)   # 4 * len (E, or B*E, +1)
+            diff_sum = regions.reduce_from_region(diff_sum, group, stats=comm_stats)   # 4 * len (E, or B*E, +1)
             count_sum = comm.all_reduce_(count_sum, group, stats=comm_stats)        # 8 * len
         tokens = count_sum[-1].clamp_min(1).float()
         aux = z = zero

@@ -6,7 +6,7 @@ torch-free rank arithmetic the cost model builds on, imports without torch.
 from .._lazy import attach as _attach
 
 _NAMES = {
-    "CommStats": ".collectives", "track": ".collectives", "peer_wait_timing": ".collectives",
+    "CommStats": ".comm", "track": ".comm", "peer_wait_timing": ".comm",
     "fully_shard": ".fsdp",
     "allreduce_gradients": ".grads", "clip_grad_norm_": ".grads", "expert_param_names": ".grads",
     "grad_norm": ".grads",

@@ -28,6 +28,7 @@ import atexit
 import contextlib
 import dataclasses
 import datetime
+import functools
 import gc
 import sys
 from typing import Iterator
@@ -86,6 +87,40 @@ class RNGTracker:
             if self._cuda is not None:
                 self._cuda = torch.cuda.get_rng_state()
                 torch.cuda.set_rng_state(saved_cuda)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeTopology:
+    """This rank's groups as one MoE layer's forward uses them (``ParallelState.moe_topology``).
+
+    ``block``: the MoE block group (None: this rank alone); ``rows``: where its EP and TP
+    peers sit among the block's rows; ``tp_group``: the TP group whose ranks hold the same
+    tokens and split them (None under sequence parallelism, where each holds its own)."""
+
+    block: object | None
+    block_size: int
+    rows: MoeRows
+    ep_group: object | None
+    ep: int
+    ep_rank: int
+    etp_group: object | None
+    etp: int
+    etp_rank: int
+    tp_group: object | None
+    tp: int
+
+    @classmethod
+    def of_ep_group(cls, ep_group) -> "MoeTopology":
+        """An EP group alone (no TP, no expert TP): the block is the EP group."""
+        P = 1 if ep_group is None else dist.get_world_size(ep_group)
+        me = 0 if ep_group is None else dist.get_rank(ep_group)
+        return cls(ep_group, P, MoeRows(me, 0, tuple(range(P)), (me,)), ep_group, P, me, None, 1, 0, None, 1)
+
+    def global_rank(self, row: int) -> int:
+        """The global rank of block row ``row`` (for messages)."""
+        if self.block is None:
+            return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        return dist.get_global_rank(self.block, row)
 
 
 @dataclasses.dataclass
@@ -160,6 +195,20 @@ class ParallelState:
     def moe_rows(self) -> MoeRows:
         """This rank's EP, ETP and TP peers as rows of its MoE block (``Layout.moe_rows``)."""
         return self.layout.moe_rows(self.rank)
+
+    # A state's layout and groups never change once made, so the MoE layers' view of them
+    # is computed once, on first use (and goes with the state at destroy_parallel).
+    @functools.cached_property
+    def moe_topology(self) -> "MoeTopology":
+        """What an MoE layer's forward needs of this rank's groups (TP ranks share tokens)."""
+        return MoeTopology(self.moe_group, self.moe_size, self.moe_rows, self.ep_group, self.ep_size,
+                           self.ep_rank, self.etp_group, self.etp_size, self.etp_rank, self.tp_group,
+                           self.tp_size if self.tp_group is not None else 1)
+
+    @functools.cached_property
+    def moe_topology_sp(self) -> "MoeTopology":
+        """``moe_topology`` under sequence parallelism: each TP rank's tokens are its own."""
+        return dataclasses.replace(self.moe_topology, tp_group=None, tp=1)
 
     @property
     def model_parallel_seed(self) -> int:

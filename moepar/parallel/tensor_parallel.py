@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import comm
+from . import comm, regions
 from .fsdp import copy_local
 from .groups import ParallelState, get_parallel_state
 
@@ -123,15 +123,15 @@ class ColumnParallelLinear(_TPModule):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
         if self.sequence_parallel:
-            return comm.gather_from_sequence_region(x, self.group, dim=self.sequence_dim, sizes=sequence_sizes,
-                                                    stats=stats)
-        return comm.copy_to_region(x, self.group, stats=stats)
+            return regions.gather_from_sequence_region(x, self.group, dim=self.sequence_dim, sizes=sequence_sizes,
+                                                       stats=stats)
+        return regions.copy_to_region(x, self.group, stats=stats)
 
     def local(self, x: torch.Tensor, stats: comm.CommStats | None = None) -> torch.Tensor:
         """This rank's output columns of ``region_input``'s result (gathered if asked)."""
         y = F.linear(x, self.weight, self.bias)
         if self.gather_output:
-            y = comm.gather_from_region(y, self.group, dim=-1, stats=stats)
+            y = regions.gather_from_region(y, self.group, dim=-1, stats=stats)
         return y
 
 
@@ -188,16 +188,16 @@ class RowParallelLinear(_TPModule):
         if not self.input_is_parallel:
             if x.shape[-1] != self.in_features:
                 raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
-            x = comm.scatter_to_region(x, self.group, dim=-1, stats=stats)
+            x = regions.scatter_to_region(x, self.group, dim=-1, stats=stats)
         elif x.shape[-1] != self.in_per_rank:
             raise ValueError(f"input last dim {x.shape[-1]} != in_features/tp = {self.in_per_rank} "
                              f"(input_is_parallel=True expects the rank's slice)")
         y = F.linear(x, self.weight)
         if self.sequence_parallel:
-            y = comm.reduce_scatter_to_region(y, self.group, dim=self.sequence_dim, sizes=sequence_sizes,
-                                              stats=stats)
+            y = regions.reduce_scatter_to_region(y, self.group, dim=self.sequence_dim, sizes=sequence_sizes,
+                                                 stats=stats)
         else:
-            y = comm.reduce_from_region(y, self.group, stats=stats)
+            y = regions.reduce_from_region(y, self.group, stats=stats)
         return y if self.bias is None else y + self.bias
 
 
@@ -241,8 +241,8 @@ class VocabParallelEmbedding(_TPModule):
         emb = F.embedding(local.masked_fill(outside, 0), self.weight)
         emb = emb.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
-            return comm.reduce_scatter_to_region(emb, self.group, dim=self.sequence_dim)
-        return comm.reduce_from_region(emb, self.group)
+            return regions.reduce_scatter_to_region(emb, self.group, dim=self.sequence_dim)
+        return regions.reduce_from_region(emb, self.group)
 
 
 class _VocabParallelCE(torch.autograd.Function):
