@@ -14,8 +14,8 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "report": ("moepar.cost.cli", "report_main", "communication cost report for a model and layout"),
     "recommend": ("moepar.cost.cli", "recommend_main", "rank the layouts that fit a GPU count and memory"),
     "price": ("moepar.cost.cli", "price_main", "time, algbw and busbw of one collective (nccl-tests style)"),
-    "calibrate": ("moepar.cost.cli", "calibrate_main", "measure collectives (run under torchrun), save a profile"),
-    "validate": ("moepar.cost.cli", "validate_main", "predicted vs measured collectives and MoE dispatch"),
+    "calibrate": ("moepar.cost.cli_measure", "calibrate_main", "measure collectives (run under torchrun), save a profile"),
+    "validate": ("moepar.cost.cli_measure", "validate_main", "predicted vs measured collectives and MoE dispatch"),
     "bench": ("moepar.bench", "main", "benchmarks: routing | local | layer | dispatch"),
 }
 

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from moepar.__main__ import main
-from moepar.cost import cli
-from moepar.cost.pipeline import step_cost
-from moepar.cost.hardware import get_hardware
+from moepar.cost import cli, cli_measure
+from moepar.cost.accounting import step_cost
+from moepar.cost.collectives import get_hardware
 from moepar.cost.model import CostLayout, MoESpec
 from moepar.cost.report import build_report, render_markdown
 
@@ -90,9 +90,9 @@ def test_recommend_ranks_fitting_layouts(capsys):
 
 def test_calibrate_and_validate_explain_how_to_launch(capsys, monkeypatch, tmp_path):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
-    assert cli.calibrate_main(["--out", str(tmp_path / "p.json")]) == 2
+    assert cli_measure.calibrate_main(["--out", str(tmp_path / "p.json")]) == 2
     assert "torchrun --nproc_per_node=4 -m moepar calibrate" in capsys.readouterr().err
-    assert cli.validate_main(["--profile", str(tmp_path / "missing.json")]) == 2
+    assert cli_measure.validate_main(["--profile", str(tmp_path / "missing.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
     with pytest.raises(ValueError, match="not a byte count"):
         cli.parse_size("lots")

@@ -4,10 +4,10 @@ import math
 
 import pytest
 
-from moepar.cost.collectives import (Curve, Link, Placement, bus_factor, busbw, fit_alpha_beta,
-                                     isotonic, link_time, sent_bytes)
-from moepar.cost.compare import crossover_topk, ep_vs_tp, sweep
-from moepar.cost.hardware import PRESETS, Hardware, get_hardware, load_profile, save_profile
+from moepar.cost.collectives import (PRESETS, Hardware, Link, Placement, bus_factor, busbw, get_hardware, link_time,
+                                     sent_bytes)
+from moepar.cost.profiles import Curve, fit_alpha_beta, isotonic, load_profile, save_profile
+from moepar.cost.report import crossover_topk, ep_vs_tp, sweep
 
 MiB = 2 ** 20
 GB = 1e9

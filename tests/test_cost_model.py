@@ -5,12 +5,10 @@ import math
 
 import pytest
 
-from moepar.cost.accounting import layer_calls, step_calls
-from moepar.cost.pipeline import step_cost
-from moepar.cost.hardware import get_hardware
-from moepar.cost.compute import count_flops, memory_per_rank
-from moepar.cost.model import (MODELS, CostLayout, MoESpec, check_fits, count_params, imbalance_from_counts,
-                               routes_per_rank)
+from moepar.cost.accounting import count_flops, layer_calls, memory_per_rank, step_calls, step_cost
+from moepar.cost.architectures import MODELS
+from moepar.cost.collectives import get_hardware
+from moepar.cost.model import CostLayout, MoESpec, check_fits, count_params, imbalance_from_counts, routes_per_rank
 
 H100 = get_hardware("h100")
 

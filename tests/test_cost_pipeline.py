@@ -8,7 +8,7 @@ import pytest
 
 from moepar.cost import CostLayout, MoESpec, get_hardware, step_cost
 from moepar.cost import cli
-from moepar.cost.compare import recommend
+from moepar.cost.search import recommend
 from moepar.cost.pipeline import boundary_placement, p2p_calls, stage_cost, stage_spec
 from moepar.cost.run_report import compare_run
 from moepar.cost.schedules import (SCHEDULES, bubble_fraction, bubble_units, check_pipeline, in_flight)
@@ -278,7 +278,8 @@ def test_every_schedule_has_a_bubble_and_a_memory_rule():
 
 def test_report_json_and_measured_vs_predicted_carry_the_stage_boundaries(tmp_path):
     import json
-    from moepar.cost.report import build_report, measured_vs_predicted, to_json
+    from moepar.cost.report import build_report, to_json
+    from moepar.cost.run_report import measured_vs_predicted
     s = spec(layers=4, tokens=512, micro_batches=4)
     lay = CostLayout(16, 8, ep=2, pp=2, schedule="gpipe")
     rep = json.loads(to_json(build_report(step_cost(s, lay, H100))))

@@ -3,11 +3,11 @@ dtypes, the two overlap bounds, MFU, and what ``recommend`` ranks first for publ
 models (from the model's own pricing: no rule forces a layout)."""
 import pytest
 
-from moepar.cost.accounting import layer_calls, step_calls
-from moepar.cost.pipeline import step_cost
-from moepar.cost.compare import recommend
-from moepar.cost.hardware import get_hardware
-from moepar.cost.model import MODELS, CostLayout, MoESpec, count_params
+from moepar.cost.accounting import layer_calls, step_calls, step_cost
+from moepar.cost.architectures import MODELS
+from moepar.cost.collectives import get_hardware
+from moepar.cost.model import CostLayout, MoESpec, count_params
+from moepar.cost.search import recommend
 
 H100 = get_hardware("h100")
 
@@ -141,8 +141,8 @@ def test_recommend_refuses_bad_values():
 
 
 def test_compute_efficiency_defaults_to_published_mfu_on_presets_and_1_on_measured_profiles():
-    from moepar.cost.collectives import Curve, Link
-    from moepar.cost.hardware import Hardware
+    from moepar.cost.collectives import Hardware, Link
+    from moepar.cost.profiles import Curve
     spec, lay = MoESpec(hidden=64, ffn=128, experts=4, topk=2, tokens=64), CostLayout(4, 4, ep=4)
     assert step_cost(spec, lay, H100).compute_efficiency == 0.45
     link = Link("gloo measured", 1e9, 50e-6)

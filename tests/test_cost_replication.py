@@ -1,4 +1,4 @@
-"""Pricing expert replication (issue 34; ``moepar.cost.replication``): the copies a rank sends
+"""Pricing expert replication (``moepar.cost.replication``): the copies a rank sends
 and receives, the replica all-to-alls' bytes and time, the received rows, the memory, against
 slow obvious references; ``report`` and ``recommend`` with replication on DeepSeek-V3; bad
 input; the run report's replica rows fed a synthetic placement."""
@@ -10,7 +10,8 @@ import pytest
 from moepar.__main__ import main
 from moepar.cost import CostLayout, MoESpec, get_hardware, step_cost
 from moepar.cost.accounting import calls_per_step
-from moepar.cost.model import MODELS, imbalance_from_counts, routes_per_rank
+from moepar.cost.architectures import MODELS
+from moepar.cost.model import imbalance_from_counts, routes_per_rank
 from moepar.cost.replication import (expert_slice_params, receive_cap_drops, replica_copies_per_forward,
                                      replica_plan, replica_received, replica_sent, zipf_loads)
 from moepar.cost.run_report import compare_run

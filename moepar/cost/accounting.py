@@ -1,10 +1,19 @@
-"""Every collective of a transformer block with an MoE FFN, and the predicted step time.
+"""One rank's training step: its FLOPs and memory, every collective of a transformer block
+with an MoE FFN, and the predicted step time.
 
 Legend (as model.py): D hidden, E experts, K top-k, T tokens per micro-batch per TP group,
 b activation bytes, R rows this rank dispatches per micro-batch, priced on the most
 loaded rank: (T/tp)·K·imbalance dropless; E·C padded to capacity C. Bytes are per rank in
 nccl-tests' size convention (all-gather: output, reduce-scatter: input, all-to-all: send
 buffer), as ``moepar.parallel.comm`` records them.
+
+FLOPs follow the 6·N rule (2 forward + 4 backward per parameter per token) with N the
+parameters a token actually multiplies: attention, router, shared experts, K experts
+(not E) and the output projection; the input embedding is a lookup and norms are
+negligible. A rank's expert FLOPs are 6·R·P_e: its experts' work on the routes it
+*receives*, which under expert parallelism come from other data-parallel replicas.
+Memory: weights, gradients, Adam state (ZeRO-sharded) and an estimate of the activations
+one micro-batch keeps for backward.
 
 Per MoE layer and micro-batch (what ``moepar.moe`` issues):
   forward  [block>1, dropless] counts all-gather over the MoE block (the TP, EP and ETP
@@ -61,12 +70,9 @@ from __future__ import annotations
 import dataclasses
 
 from ..moe.traffic import LayerShape, aux_group_name, layer_collectives
-from .collectives import sent_bytes
-from .hardware import Hardware
-from .compute import Flops, Memory, count_flops, memory_per_rank
+from .collectives import Hardware, sent_bytes
 from .model import (DTYPE_BYTES, CostLayout, MoESpec, Params, Routes, check_fits, count_params, dedup_fraction,
-                    routes_per_rank)
-from .replication import expert_slice_params, replica_plan
+                    routes_per_rank, wire_bytes)
 
 INT64 = 8
 FP32 = 4
@@ -74,28 +80,113 @@ FP32 = 4
 # up to 47% MFU (NVIDIA/Megatron-LM README); the default compute rate is 45% of peak.
 DEFAULT_COMPUTE_EFFICIENCY = 0.45
 FWD_SHARE, BWD_SHARE = 2 / 6, 4 / 6   # of the 6·N training FLOPs: 2 forward, 4 backward
+ADAM_BYTES_PER_PARAM = 12   # fp32 master weights + Adam m and v (ZeRO paper's K = 12)
 
+
+# ---- FLOPs ------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class WireBytes:
-    """Bytes per element: activations (TP collectives), dispatch rows, combine rows, and
-    weights/gradients."""
+class Flops:
+    """Training FLOPs (forward + backward) per micro-batch unless named per step."""
 
-    act: int
-    dispatch: int
-    combine: int
-    param: int
+    per_token: float             # model FLOPs per token: 6·N_active_matmul (+ attention scores)
+    model: float                 # all replicas, one micro-batch: per_token · T · dp
+    rank_mean: float             # one rank, balanced routing
+    rank_max: float              # the most loaded rank (imbalance, padding)
+    rank_expert_max: float
+    deepspeed_style: float       # rank_max · mp_size(tp) · dp: DeepSpeed profiler's scaling
+    per_step_rank_max: float
 
 
-def wire_bytes(spec: MoESpec) -> WireBytes:
-    """``--dtype fp8``: FP8 dispatch, BF16 combine, activations, weights and gradients
-    (DeepSeek-V3 sec. 3.3, Megatron's FP8 recipe); other dtypes: that dtype everywhere.
-    ``dispatch_dtype`` / ``combine_dtype`` override the all-to-all rows."""
-    base = DTYPE_BYTES["bf16"] if spec.dtype == "fp8" else spec.b
-    dispatch = DTYPE_BYTES[spec.dispatch_dtype] if spec.dispatch_dtype else spec.b
-    combine = DTYPE_BYTES[spec.combine_dtype] if spec.combine_dtype else base
-    return WireBytes(base, dispatch, combine, base)
+def count_flops(spec: MoESpec, layout: CostLayout, params: Params | None = None,
+                routes: Routes | None = None) -> Flops:
+    p = params or count_params(spec, layout)
+    r = routes or routes_per_rank(spec, layout)
+    D, n_l, moe_l, T, tp = spec.hidden, spec.layers, spec.moe_layers, spec.tokens, layout.tp
+    lm_head = spec.vocab * D if spec.last_stage else 0
+    # QK^T and AV, fwd + bwd: 6·seq·H·(qk + v) per token and layer (12·seq·D for plain MHA)
+    if spec.kv_lora_rank is not None:
+        qk_v = spec.heads * (spec.qk_nope_dim + spec.qk_rope_dim + spec.v_head_dim)
+    else:
+        qk_v = 2 * spec.heads * spec.hd if spec.heads else 2 * D
+    score = 6 * n_l * spec.seq_len * qk_v if spec.seq_len else 0
+    dense_blocks = n_l * p.attention + spec.dense_layers * p.dense_ffn
+    per_token = 6 * (dense_blocks + moe_l * (p.router + p.shared + spec.topk * p.expert) + lm_head) + score
+    # Dense work: every TP rank multiplies the group's T tokens by 1/tp of the weights; the
+    # router is replicated, on T tokens (T/tp with sequence parallelism).
+    t_router = T // tp if layout.sp else T
+    dense = (6 * T * (dense_blocks + moe_l * p.shared + lm_head) / tp + 6 * t_router * moe_l * p.router
+             + score * T / tp)
+    expert_mean = 6 * r.mean * moe_l * p.expert
+    expert_max = 6 * r.max * moe_l * p.expert
+    rank_max = dense + expert_max
+    return Flops(per_token, per_token * T * layout.dp, dense + expert_mean, rank_max, expert_max,
+                 rank_max * tp * layout.dp, rank_max * spec.micro_batches)
 
+
+# ---- memory ------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per rank: weights, gradients, optimizer state (ZeRO-sharded), activations."""
+
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    replica_weights: float = 0.0   # remote expert copies, every MoE layer, one micro-batch in flight
+    replica_grads: float = 0.0     # their gradient buffers, one MoE layer at a time (backward)
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer + self.activations + self.replica_weights + self.replica_grads
+
+
+def activation_bytes(spec: MoESpec, layout: CostLayout, routes: Routes | None = None) -> float:
+    """Activations kept for backward, one micro-batch, all layers, no recomputation, flash
+    attention (no T x T scores). An estimate: it counts the tensors named below."""
+    r = routes or routes_per_rank(spec, layout)
+    D, T, tp, b = spec.hidden, spec.tokens, layout.tp, spec.b
+    t_sp = T // tp if layout.sp else T           # tokens of a replicated [T, D] tensor on this rank
+    kv_dim = (spec.kv_heads or spec.heads or 1) * (D // (spec.heads or 1)) if spec.heads else D
+    attn = (2 * t_sp * D                          # two norm inputs (residual stream)
+            + t_sp * D                            # QKV input
+            + T * (D + 2 * kv_dim) // tp          # Q, K, V
+            + T * D // tp) * b                    # attention context (o-proj input)
+    router = t_sp * spec.experts * 4 * 2          # fp32 logits and probabilities
+    # Expert rows: the (all-gathered, with etp) dispatched input etp·R x D; the hidden
+    # gate/up outputs and activation (3F gated, 2F plain, sliced F/etp over etp·R rows);
+    # the expert outputs R x D, kept for the routing-weight gradient.
+    experts = (layout.etp * r.max * D + r.max * spec.mats * spec.ffn + r.max * D) * b
+    shared = spec.shared_experts * (t_sp * D + T * spec.mats * spec.fs // tp) * b
+    return spec.layers * attn + spec.moe_layers * (router + experts + shared)   # dense FFNs: not listed
+
+
+def memory_per_rank(spec: MoESpec, layout: CostLayout, params: Params | None = None,
+                    routes: Routes | None = None, param_bytes: int | None = None) -> Memory:
+    """ZeRO stage 1 shards optimizer state, 2 also gradients, 3 also weights: dense over dp,
+    experts over edp (expert-data-parallel replicas)."""
+    p = params or count_params(spec, layout)
+    pb = spec.b if param_bytes is None else param_bytes
+    z = layout.zero
+    dense_w = p.dense_rank / (layout.dp if z >= 3 else 1)
+    exp_w = p.expert_rank / (layout.edp if z >= 3 else 1)
+    dense_g = p.dense_rank / (layout.dp if z >= 2 else 1)
+    exp_g = p.expert_rank / (layout.edp if z >= 2 else 1)
+    dense_o = p.dense_rank / (layout.dp if z >= 1 else 1)
+    exp_o = p.expert_rank / (layout.edp if z >= 1 else 1)
+    # Expert replication: the busiest rank's remote slots hold full copies (not ZeRO-sharded),
+    # received every forward and kept for the backward, plus their gradients in the backward.
+    replica = 0.0
+    if spec.redundant_experts:
+        from .replication import expert_slice_params, replica_plan
+        replica = max(replica_plan(spec, layout).received) * expert_slice_params(spec, layout.etp) * pb
+    return Memory((dense_w + exp_w) * pb, (dense_g + exp_g) * pb,
+                  (dense_o + exp_o) * ADAM_BYTES_PER_PARAM,
+                  activation_bytes(spec, layout, routes), spec.moe_layers * replica, replica)
+
+
+# ---- collectives ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Call:
@@ -142,8 +233,13 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
 
     f = dedup_fraction(spec, layout)
     # Expert replication: the busiest EP rank's copies (sent or received) bound the replica
-    # all-to-all; every rank is priced as that one (moepar.cost.replication).
-    copies = replica_plan(spec, layout).busiest_copies if spec.redundant_experts else 0
+    # all-to-all; every rank is priced as that one (moepar.cost.replication). Without
+    # redundant experts the layer issues no replica all-to-all: nothing to plan or size.
+    copies, expert_bytes = 0, 0.0
+    if spec.redundant_experts:
+        from .replication import expert_slice_params, replica_plan
+        copies = replica_plan(spec, layout).busiest_copies
+        expert_bytes = expert_slice_params(spec, etp) * w.param
     aux_group = aux_group_name(spec.aux_scope, sp) if spec.aux_loss or spec.z_loss else None
     # The MoE layer's own collectives: the layer's table (moepar.moe.traffic), balanced
     # (every rank sends and receives the busiest rank's R rows; dedup: R·f of them).
@@ -153,7 +249,7 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
                      shared=bool(spec.shared_experts), aux_group=aux_group, aux_loss=bool(spec.aux_loss),
                      z_loss=bool(spec.z_loss), fp8_dispatch=w.dispatch == DTYPE_BYTES["fp8"],
                      fp8_combine_grad=spec.combine_grad_dtype == "fp8", redundant_experts=spec.redundant_experts,
-                     replica_sent=copies, expert_bytes=expert_slice_params(spec, etp) * w.param)
+                     replica_sent=copies, expert_bytes=expert_bytes)
     sizes = {g: layout.size(g) for g in ("moe", "ep", "etp", "tp", "dp", "world")}
     for phase in ("fwd", "bwd"):
         # attention block, Megatron tensor parallel
@@ -260,6 +356,8 @@ def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params |
     once("pipeline loss and aux", "all_reduce", "pp", "step", 2 * FP32, "2·4")
     return out
 
+
+# ---- the step ------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class StepCost:
@@ -394,3 +492,19 @@ def price_stage(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficie
     return StepCost(spec, layout, hw, params, routes, flops, memory,
                     layer_calls(spec, layout, hw, routes, a2a_algo, ar_algo),
                     step_calls(spec, layout, hw, params, ar_algo), compute_efficiency)
+
+
+def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float | None = None,
+              a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
+    """Check the layout against the model, then price everything for one step.
+    ``compute_efficiency`` defaults to DEFAULT_COMPUTE_EFFICIENCY on a preset's peak FLOP
+    rate and to 1.0 on a calibrated profile, whose rate is a measured matmul rate."""
+    if compute_efficiency is None:
+        compute_efficiency = 1.0 if hw.calibrated else DEFAULT_COMPUTE_EFFICIENCY
+    if not 0 < compute_efficiency <= 1:
+        raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] "
+                         f"(the fraction of the peak FLOP rate reached)")
+    if layout.pp > 1:
+        from .pipeline import pipeline_cost
+        return pipeline_cost(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)
+    return price_stage(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)

@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 
 from ..parallel import comm
-from .collectives import OPS, P2P, Curve, Link, bus_factor, fit_alpha_beta
-from .hardware import Hardware, machine_description, utc_now
-from .units import fmt_bytes
+from ..tables import fmt_bytes
+from .collectives import OPS, P2P, Hardware, Link, bus_factor
+from .profiles import Curve, fit_alpha_beta, machine_description, utc_now
 
 KiB, MiB = 1024, 1024 ** 2
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

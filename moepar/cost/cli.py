@@ -1,10 +1,11 @@
-"""``python -m moepar report | recommend | calibrate | validate``: argparse front ends.
+"""``python -m moepar report | recommend | price``: argparse front ends, and the model, hardware
+and pipeline flags they share (how they become a ``MoESpec`` and a ``Hardware``).
 
 Each ``*_main(argv)`` returns an exit code: 0 on success, 2 when the input is invalid
-(the message, naming the valid values, goes to stderr), 1 when ``validate --check`` misses
-its thresholds. ``report``, ``recommend`` and ``price`` never import torch (a laptop without
-it can price a layout, and start-up stays quick): calibrate and validate, which measure,
-import the torch-using modules inside their commands (tests/test_cost_cli_imports.py).
+(the message, naming the valid values, goes to stderr). These commands never import torch
+(a laptop without it can price a layout, and start-up stays quick); ``calibrate`` and
+``validate``, which measure, are ``moepar.cost.cli_measure``'s and import the torch-using
+modules inside their commands (tests/test_cost_cli_imports.py).
 """
 from __future__ import annotations
 
@@ -15,13 +16,21 @@ import os
 import sys
 from typing import Callable
 
-from .cli_args import (MODEL_FIELDS, _int_list, _positive_arg, add_hw_args, add_model_args,  # noqa: F401
-                       add_pipeline_args, hardware_from_args, redundant_list, spec_from_args)
-from .collectives import OPS
-from .hardware import PRESETS, save_profile
-from .model import CostLayout
-from .schedules import default_vp
-from .units import fmt_bytes, fmt_time
+from ..tables import fmt_bytes, fmt_time, format_table
+from .accounting import DEFAULT_COMPUTE_EFFICIENCY
+from .architectures import MODEL_TYPES, MODELS, spec_fields_from_file
+from .collectives import ALGOS, OPS, PRESETS, Hardware, get_hardware
+from .model import CostLayout, MoESpec
+from .schedules import SCHEDULES, default_vp
+
+MODEL_FIELDS = ("hidden", "ffn", "experts", "topk", "layers", "heads", "kv_heads", "vocab")
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"{text!r} is not a comma-separated list of integers") from None
 
 
 def _guard(fn: Callable[[argparse.Namespace], int], parser: argparse.ArgumentParser, argv) -> int:
@@ -55,15 +64,178 @@ def parse_size(text: str) -> int:
     return int(value)
 
 
+# ---- model / layout / hardware arguments -----------------------------------------------
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--model", choices=sorted(MODELS), help="a public configuration (explicit flags override it)")
+    g.add_argument("--hf-config", metavar="PATH", help="a Hugging Face config.json (model types: "
+                                                       f"{', '.join(MODEL_TYPES)}); explicit flags override it")
+    g.add_argument("--hidden", type=int, help="D, model width")
+    g.add_argument("--ffn", type=int, help="F, expert hidden width")
+    g.add_argument("--experts", type=int, help="E, experts per layer")
+    g.add_argument("--topk", type=int, help="K, experts per token")
+    g.add_argument("--tokens", type=int, default=8192, help="T, tokens per micro-batch per TP group (default 8192)")
+    g.add_argument("--dtype", default="bf16", help="activation and weight dtype: bf16 fp16 fp32 fp8")
+    g.add_argument("--capacity-factor", type=float, help="capacity mode (default: dropless)")
+    g.add_argument("--min-capacity", type=int, default=4)
+    g.add_argument("--pad-to-capacity", action="store_true", help="send E·C rows whatever the routing")
+    g.add_argument("--shared-experts", type=int, help="default 0, or the --model's / --hf-config's")
+    g.add_argument("--shared-ffn", type=int, help="shared experts' ffn (default --ffn)")
+    g.add_argument("--plain-mlp", action="store_true", help="2-matrix experts instead of SwiGLU's 3")
+    g.add_argument("--layers", type=int, help="transformer blocks (default 1, or the --model's)")
+    g.add_argument("--heads", type=int)
+    g.add_argument("--kv-heads", type=int)
+    g.add_argument("--vocab", type=int, help="vocabulary (embeddings and output layer)")
+    g.add_argument("--seq-len", type=int, help="adds attention-score FLOPs")
+    g.add_argument("--imbalance", type=float, default=1.0, help="max/mean routes per EP rank (>= 1)")
+    g.add_argument("--routing-counts", help="measured tokens per expert, comma-separated or a file: the "
+                                            "imbalance follows for each layout's ep (instead of --imbalance)")
+    g.add_argument("--zipf", type=float, metavar="S", help="Zipf-like loads instead: expert i gets 1/(i+1)^S "
+                                                           "(expert 0 the hottest, docs/routing.md's table)")
+    g.add_argument("--redundant-experts", metavar="R", help="R extra expert slots per EP group (MoE(..., "
+                   "redundant_experts=R)), planned from the loads above (uniform without); recommend: a "
+                   "comma-separated list, each priced beside R=0")
+    g.add_argument("--micro-batches", "--microbatches", dest="micro_batches", type=int, default=1,
+                   help="micro-batches per step (gradient accumulation; with --pp the pipeline's M)")
+    g.add_argument("--dedup", choices=("auto", "on", "off"), default="auto",
+                   help="dispatch one row per token and EP rank (auto: as the layer, when the expected rows "
+                        "are at most 0.3 of the routes under uniform routing)")
+    g.add_argument("--dispatch-dtype", help="dtype of the dispatched rows (default: fp8 with --dtype fp8, else --dtype)")
+    g.add_argument("--combine-dtype", help="dtype of the combined rows (default: bf16 with --dtype fp8, else --dtype)")
+    g.add_argument("--combine-grad-dtype", choices=["fp8"], default=None,
+                   help="fp8: the combine's gradient, sent back to the experts' ranks, in FP8 too "
+                        "(the layer's combine_grad_dtype; default: the combined rows' dtype)")
+
+
+def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
+    g = p.add_argument_group("hardware")
+    g.add_argument("--hardware", default=default,
+                   help=f"preset ({', '.join(sorted(PRESETS))}) or a calibrated JSON profile (default {default})")
+    g.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
+    g.add_argument("--nics-per-node", type=int, help="default: the hardware's NICs per GPU x --gpus-per-node")
+    g.add_argument("--compute-efficiency", type=float,
+                   help=f"fraction of the peak FLOP rate reached (default {DEFAULT_COMPUTE_EFFICIENCY} on a preset: "
+                        f"published MFU of Megatron-Core on H100 is up to 47%%; 1.0 on a calibrated profile, "
+                        f"whose rate is measured)")
+    g.add_argument("--a2a", choices=ALGOS["all_to_all"], default="pairwise", help="all-to-all algorithm")
+    g.add_argument("--allreduce", choices=ALGOS["all_reduce"], default="auto",
+                   help="all-reduce algorithm (default auto: the fastest of ring, tree, NVLS at each size, as NCCL)")
+
+
+def add_pipeline_args(g, search: bool = False) -> None:
+    if search:
+        g.add_argument("--pp", help="pipeline sizes to consider, comma-separated (default: every divisor of "
+                                    "--gpus with pp x vp <= layers)")
+    else:
+        g.add_argument("--pp", type=int, default=1, help="pipeline stages (consecutive ranks; default 1)")
+    g.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                   help="torch.distributed.pipelining schedule (default 1f1b): gpipe, 1f1b, interleaved "
+                        "(Interleaved1F1B), zb (InterleavedZeroBubble), zbv (ZBVZeroBubble), dualpipev (DualPipeV)")
+    g.add_argument("--vp", type=int, help="stages per rank (virtual pipeline; default 2 for interleaved, zb, "
+                                          "zbv and dualpipev, else 1)")
+
+
+def _positive_arg(name: str, v) -> None:
+    if v is not None and v < 1:
+        raise ValueError(f"{name}={v} must be >= 1")
+
+
+def hardware_from_args(a: argparse.Namespace) -> Hardware:
+    """--hardware with --gpus-per-node / --nics-per-node applied (validated, never defaulted
+    silently: 0 is refused, not read as "unset")."""
+    hw = get_hardware(a.hardware)
+    _positive_arg("--gpus-per-node", a.gpus_per_node)
+    _positive_arg("--nics-per-node", a.nics_per_node)
+    if a.gpus_per_node is None and a.nics_per_node is None:
+        return hw
+    gpn = hw.gpus_per_node if a.gpus_per_node is None else a.gpus_per_node
+    return hw.with_gpus_per_node(gpn, a.nics_per_node)
+
+
+def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
+    if a.model and getattr(a, "hf_config", None):
+        raise ValueError("pass --model or --hf-config, not both")
+    base = dict(MODELS[a.model]) if a.model else {}
+    if getattr(a, "hf_config", None):
+        base = spec_fields_from_file(a.hf_config)
+    for k in MODEL_FIELDS:
+        if getattr(a, k) is not None:
+            base[k] = getattr(a, k)
+    missing = [f"--{k}" for k in ("hidden", "ffn", "experts", "topk") if k not in base]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)} (or pass --hf-config, or --model, one of: "
+                         f"{', '.join(sorted(MODELS))})")
+    imbalance = a.imbalance
+    if not (math.isfinite(imbalance) and imbalance >= 1):
+        raise ValueError(f"--imbalance {imbalance} must be a finite number >= 1 (max/mean routes per EP rank)")
+    loads = None
+    if a.routing_counts and a.zipf is not None:
+        raise ValueError("pass --routing-counts or --zipf, not both (each gives the per-expert loads)")
+    if a.routing_counts:
+        loads = _counts_from_file(a.routing_counts, base["experts"])
+    elif a.zipf is not None:
+        if not (math.isfinite(a.zipf) and a.zipf >= 0):
+            raise ValueError(f"--zipf {a.zipf} must be a finite number >= 0 (the Zipf exponent of the loads)")
+        from .replication import zipf_loads
+        loads = tuple(zipf_loads(base["experts"], a.zipf))
+    redundant = redundant_list(a)
+    if imbalance != 1 and (loads is not None or any(redundant)):
+        what = "--routing-counts/--zipf" if loads is not None else f"--redundant-experts {a.redundant_experts}"
+        raise ValueError(f"--imbalance {imbalance} cannot be combined with {what}: --imbalance is max/mean routes "
+                         f"per EP rank and does not say which experts are hot; give per-expert loads "
+                         f"(--routing-counts or --zipf) and the imbalance follows from them on each layout")
+    for k, v in (("shared_experts", a.shared_experts), ("shared_ffn", a.shared_ffn)):
+        if v is not None:
+            base[k] = v
+    if a.plain_mlp:
+        base["gated"] = False
+    return MoESpec(tokens=a.tokens, dtype=a.dtype, capacity_factor=a.capacity_factor,
+                   min_capacity=a.min_capacity, pad_to_capacity=a.pad_to_capacity,
+                   seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches,
+                   dedup=getattr(a, "dedup", "auto"), dispatch_dtype=getattr(a, "dispatch_dtype", None),
+                   combine_dtype=getattr(a, "combine_dtype", None),
+                   combine_grad_dtype=getattr(a, "combine_grad_dtype", None), expert_loads=loads,
+                   redundant_experts=redundant[-1] if len(redundant) == 1 else 0, **base)
+
+
+def redundant_list(a: argparse.Namespace) -> list[int]:
+    """--redundant-experts: one R >= 0 (report), or a comma-separated list (recommend)."""
+    values = _int_list(a.redundant_experts) if a.redundant_experts else [0]
+    if not values or any(v < 0 for v in values):
+        raise ValueError(f"--redundant-experts {a.redundant_experts!r} must be integers >= 0")
+    return values
+
+
+def _counts_from_file(text: str, experts: int) -> tuple[float, ...]:
+    """--routing-counts: comma-separated counts or a file of them, one per expert."""
+    if "," not in text:
+        if not os.path.isfile(text):
+            raise ValueError(f"--routing-counts {text!r} is neither a comma-separated list nor an existing file")
+        with open(text) as f:
+            text = f.read().replace("\n", ",")
+    try:
+        counts = [float(x) for x in text.replace(" ", ",").split(",") if x.strip()]
+    except ValueError:
+        raise ValueError("--routing-counts: the counts must be numbers (tokens per expert)") from None
+    if len(counts) != experts:
+        raise ValueError(f"--routing-counts has {len(counts)} counts; the model has experts={experts} "
+                         f"(one count per expert)")
+    if not all(math.isfinite(c) and c >= 0 for c in counts) or not sum(counts) > 0:
+        raise ValueError("--routing-counts: every count must be a finite number >= 0, and some > 0")
+    return tuple(counts)
+
+
 # ---- report ---------------------------------------------------------------------------
 
 def _report(a: argparse.Namespace) -> int:
-    from .pipeline import step_cost
+    from .accounting import step_cost
     from .report import build_report, plot_png, render_markdown, render_text, to_json
     for path, flag in ((a.markdown, "--markdown"), (a.json, "--json"), (a.png, "--png")):
         check_output_path(path, flag)
     hw = hardware_from_args(a)
-    vp = a.vp if a.vp is not None else default_vp(a.schedule)
+    # the default 1f1b runs one stage per rank (vp 1): the schedules are asked for the others
+    vp = a.vp if a.vp is not None else 1 if a.schedule == "1f1b" else default_vp(a.schedule)
     layout = CostLayout(a.gpus, hw.gpus_per_node, a.tp, a.ep, a.etp, a.sp, a.zero, a.pp, vp, a.schedule)
     spec = spec_from_args(a, layout.ep)
     for w in layout.warnings():
@@ -110,8 +282,7 @@ def report_main(argv: list[str]) -> int:
 # ---- recommend --------------------------------------------------------------------------
 
 def _recommend(a: argparse.Namespace) -> int:
-    from .compare import recommend
-    from ..tables import format_table
+    from .search import recommend
     check_output_path(a.json, "--json")
     hw = hardware_from_args(a)
     spec = spec_from_args(a).replace(redundant_experts=0)
@@ -127,7 +298,7 @@ def _recommend(a: argparse.Namespace) -> int:
     if a.top < 1:
         raise ValueError(f"--top {a.top} must be >= 1")
     mem = a.memory_gib * 2 ** 30 if a.memory_gib is not None else None
-    from .compare import find_layout, parse_find, pipeline_sizes
+    from .search import find_layout, parse_find, pipeline_sizes
     vp = a.vp if a.vp is not None else default_vp(a.schedule)
     valid_pp = pipeline_sizes(spec, a.gpus, vp)
     pps = _int_list(a.pp) if a.pp else valid_pp
@@ -263,106 +434,3 @@ def price_main(argv: list[str]) -> int:
     g.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
     g.add_argument("--nics-per-node", type=int, help="default: the hardware's NICs per GPU x --gpus-per-node")
     return _guard(_price, p, argv)
-
-
-# ---- calibrate / validate -------------------------------------------------------------------
-
-def _calibrate(a: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from ..parallel import destroy_parallel
-    from ..tables import format_table
-    from .calibrate import bus_bandwidth_table, calibrate, pinned_to_core, size_sweep
-    created = not (dist.is_available() and dist.is_initialized())
-    sizes = size_sweep(parse_size(a.min_size), parse_size(a.max_size), a.factor)
-    from .calibrate import CALIBRATED_OPS
-    ops = [o.strip() for o in a.ops.split(",")] if a.ops else list(CALIBRATED_OPS)
-    with pinned_to_core(not a.no_pin):
-        hw = calibrate(sizes, _int_list(a.group_sizes) if a.group_sizes else None, ops, a.repeats, a.warmup,
-                       a.dtype, log=print)
-    if dist.get_rank() == 0:
-        save_profile(hw, a.out)
-        print(format_table(bus_bandwidth_table(hw)))
-        print(f"matmul rate {hw.flops / 1e9:.3g} GFLOP/s per rank; fitted link {hw.intra.bandwidth / 1e9:.3g} GB/s, "
-              f"{hw.intra.latency * 1e6:.3g} us/step; {hw.meta['seconds']} s on {hw.meta['machine']}")
-        print(f"wrote {a.out}")
-    if created:   # join every group's threads while the interpreter is intact (docs/fsdp.md)
-        destroy_parallel()
-    return 0
-
-
-def calibrate_main(argv: list[str]) -> int:
-    """Measure all-reduce, all-gather, reduce-scatter, all-to-all over a size sweep and
-    group sizes, and the point-to-point send/recv of a pipeline stage boundary between rank
-    pairs, on the current backend; fit and save a JSON profile. Run under torchrun."""
-    p = argparse.ArgumentParser(prog="python -m moepar calibrate", description=calibrate_main.__doc__)
-    p.add_argument("--out", default="profile.json")
-    p.add_argument("--min-size", default="64K")
-    p.add_argument("--max-size", default="64M")
-    p.add_argument("--factor", type=float, default=2 ** 0.5, help="ratio between consecutive sizes (default sqrt 2)")
-    p.add_argument("--group-sizes", help="default: 2,4,8 that divide the world")
-    p.add_argument("--ops", help=f"default: {','.join(OPS)},p2p")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--dtype", default="fp32", help="fp32 bf16 fp16")
-    p.add_argument("--no-pin", action="store_true", help="on CPU, do not pin rank r to core r %% cores")
-    return _guard(_calibrate, p, argv)
-
-
-def _validate(a: argparse.Namespace) -> int:
-    import torch.distributed as dist
-
-    from ..parallel import destroy_parallel
-    from .hardware import load_profile
-    from .report import markdown_table
-    from .calibrate import pinned_to_core
-    from .validate import format_validation, run_validation, validation_json
-    from . import validate_moe  # noqa: F401  (registers the MoE dispatch rows)
-    hw = load_profile(a.profile)
-    created = not (dist.is_available() and dist.is_initialized())
-    with pinned_to_core(not a.no_pin):
-        res = run_validation(hw, repeats=a.repeats, warmup=a.warmup,
-                             group_sizes=_int_list(a.group_sizes) if a.group_sizes else None, quick=a.quick)
-    code = 0
-    if dist.get_rank() == 0:
-        print(format_validation(res))
-        if a.json:
-            with open(a.json, "w") as f:
-                f.write(validation_json(res))
-            print(f"wrote {a.json}")
-        if a.markdown:
-            with open(a.markdown, "w") as f:
-                f.write(format_validation(res, table=markdown_table) + "\n")
-            print(f"wrote {a.markdown}")
-    if a.check:
-        s = res.summary()
-        basis = s["median_rel_error_drift_corrected" if a.check_drift_corrected else "median_rel_error"]
-        errs = [basis.get(op) for op in ("all_reduce", "all_to_all")] + \
-            ([basis["p2p"]] if basis.get("p2p") is not None else [])
-        acc = s["pick_accuracy"]
-        ok = all(e is not None and e <= a.max_median_error for e in errs) and (acc is None or acc >= a.min_pick_accuracy)
-        code = 0 if ok else 1
-    if created:   # join every group's threads while the interpreter is intact (docs/fsdp.md)
-        destroy_parallel()
-    return code
-
-
-def validate_main(argv: list[str]) -> int:
-    """Predicted vs measured time of real collectives and EP-vs-TP cases (and any registered
-    row source), at sizes calibration did not measure. Run under torchrun after calibrate."""
-    p = argparse.ArgumentParser(prog="python -m moepar validate", description=validate_main.__doc__)
-    p.add_argument("--profile", default="profile.json", help="written by `python -m moepar calibrate`")
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--group-sizes", help="default: those in the profile that divide the world")
-    p.add_argument("--quick", action="store_true", help="fewer EP-vs-TP cases (smoke tests)")
-    p.add_argument("--no-pin", action="store_true", help="on CPU, do not pin rank r to core r %% cores")
-    p.add_argument("--json", help="write rows and summary as JSON here")
-    p.add_argument("--markdown", help="write the table as Markdown here")
-    p.add_argument("--check", action="store_true", help="exit 1 if the thresholds below are missed (median "
-                                                         "error of all_reduce, all_to_all and, when measured, p2p)")
-    p.add_argument("--max-median-error", type=float, default=0.20)
-    p.add_argument("--min-pick-accuracy", type=float, default=0.90)
-    p.add_argument("--check-drift-corrected", action="store_true",
-                   help="--check the errors after scaling by the measured drift since calibration")
-    return _guard(_validate, p, argv)

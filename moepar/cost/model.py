@@ -1,4 +1,5 @@
-"""Model and layout specs, and the EP-aware per-rank parameters, FLOPs and memory.
+"""Model and layout specs (and the bytes each dtype puts on the wire), and the EP-aware
+per-rank parameters and routes.
 
 Legend (docs/moe.md, plus the model's own): D hidden, F expert ffn, Fs shared-expert ffn, E experts, K top-k, T tokens per
 micro-batch at the MoE layer input of each TP group (replicated over its tp ranks; with
@@ -8,11 +9,6 @@ per micro-batch and, balanced, its experts process (the busiest rank's).
 
 Parameters are counted per rank: dense weights (attention, shared experts, embeddings)
 are sliced by tp, router and norms replicated; experts: E/ep per rank, each sliced by etp.
-FLOPs follow the 6·N rule (2 forward + 4 backward per parameter per token) with N the
-parameters a token actually multiplies: attention, router, shared experts, K experts
-(not E) and the output projection; the input embedding is a lookup and norms are
-negligible. A rank's expert FLOPs are 6·R·P_e: its experts' work on the routes it
-*receives*, which under expert parallelism come from other data-parallel replicas.
 """
 from __future__ import annotations
 
@@ -20,25 +16,22 @@ import dataclasses
 import functools
 import math
 
-from .. import checks
+from ..checks import int_at_least, positive_ints
 from ..moe.dedup_policy import DEDUP_MAX_FRACTION   # the layer's "auto" threshold, priced as it decides
 from ..parallel.layout import Layout
-from .architectures import presets
 from .collectives import Placement
 from .schedules import check_pipeline
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 
-MODELS = presets()   # public model shapes for ``--model``, from their config.json fields
-
 
 def _positive(**values) -> None:
-    checks.positive_ints(**values)
+    positive_ints(**values)
 
 
 def _non_negative(**values) -> None:
     for name, v in values.items():
-        checks.int_at_least(name, v, 0)
+        int_at_least(name, v, 0)
 
 
 def divisors(n: int) -> list[int]:
@@ -204,6 +197,27 @@ class MoESpec:
 
 
 @dataclasses.dataclass(frozen=True)
+class WireBytes:
+    """Bytes per element: activations (TP collectives), dispatch rows, combine rows, and
+    weights/gradients."""
+
+    act: int
+    dispatch: int
+    combine: int
+    param: int
+
+
+def wire_bytes(spec: MoESpec) -> WireBytes:
+    """``--dtype fp8``: FP8 dispatch, BF16 combine, activations, weights and gradients
+    (DeepSeek-V3 sec. 3.3, Megatron's FP8 recipe); other dtypes: that dtype everywhere.
+    ``dispatch_dtype`` / ``combine_dtype`` override the all-to-all rows."""
+    base = DTYPE_BYTES["bf16"] if spec.dtype == "fp8" else spec.b
+    dispatch = DTYPE_BYTES[spec.dispatch_dtype] if spec.dispatch_dtype else spec.b
+    combine = DTYPE_BYTES[spec.combine_dtype] if spec.combine_dtype else base
+    return WireBytes(base, dispatch, combine, base)
+
+
+@dataclasses.dataclass(frozen=True)
 class CostLayout:
     """How ``gpus`` ranks are used: ``pp`` pipeline stages of consecutive ranks (the pipeline
     outermost, Megatron's order), each stage tp x dp for dense layers and etp x ep x edp for
@@ -223,7 +237,8 @@ class CostLayout:
     def __post_init__(self) -> None:
         _positive(gpus=self.gpus, gpus_per_node=self.gpus_per_node, tp=self.tp, ep=self.ep, etp=self.etp,
                   pp=self.pp, vp=self.vp)
-        check_pipeline(self.pp, self.vp, self.schedule)
+        if (self.vp, self.schedule) != (1, "1f1b"):   # the default, one stage per rank, breaks no rule
+            check_pipeline(self.pp, self.vp, self.schedule)
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:

@@ -1,6 +1,6 @@
 """Pricing expert replication (``MoE(..., redundant_experts=R)``): the plan, its traffic, memory.
 
-Torch-free. The layer (issue 34) gives each EP group E + R expert slots, (E + R)/ep per rank,
+Torch-free. The layer gives each EP group E + R expert slots, (E + R)/ep per rank,
 laid out by ``moepar.moe.placement.plan_placement`` from per-expert loads. Ownership never
 moves: expert e's parameters stay on its home EP rank e // (E/ep); a slot holding e on another
 rank is a remote copy. What that costs and buys, per MoE layer and micro-batch:

@@ -2,12 +2,10 @@
 receive cap, expert-TP and a larger EP group). Torch-free; arithmetic in ``replication.py``."""
 from __future__ import annotations
 
-from ..tables import format_table
-from .accounting import StepCost, calls_per_step, wire_bytes
-from .pipeline import step_cost
-from .model import layout_imbalance
+from ..tables import fmt_bytes, fmt_time, format_table
+from .accounting import StepCost, calls_per_step, step_cost
+from .model import layout_imbalance, wire_bytes
 from .replication import expert_slice_params, receive_cap_drops, replica_plan
-from .units import fmt_bytes, fmt_time
 
 REPLICA_CALLS = ("MoE replica weights", "MoE replica grads")
 

@@ -1,24 +1,145 @@
-"""Reports: the numbers of a ``StepCost`` as a terminal table, Markdown, JSON and a PNG.
+"""Reports: the numbers of a ``StepCost`` as a terminal table, Markdown, JSON and a PNG, with
+expert parallelism against tensor slicing for the same FFN and its crossovers.
 
 ``build_report`` gathers everything as plain data (what ``--json`` writes); the renderers
-only format it. ``measured_vs_predicted`` puts the collectives a run recorded through
-``moepar.parallel.comm.track()`` beside the model's prediction for the same calls.
+only format it.
+
+EP against TP (``ep_vs_tp``): both sides process the same global batch: n GPUs holding ``t``
+tokens each (the layer table's T/tp, so EP rows are the layer table's and ``recommend``'s
+(T/tp)·K, balanced). What is counted per rank, per MoE layer, per training step (b bytes per
+element):
+  EP over n: 4 all-to-alls of t·K·D·b (dispatch and combine, forward and backward; the
+      tiny counts exchange is left out); each sends (n-1)/n of its buffer.
+  TP over n: the group's n·t tokens are replicated on its ranks; 4 all-reduces of n·t·D·b
+      (2 forward: attention-style row-parallel output and the FFN's; 2 backward, Megatron's
+      f/g); each sends 2(n-1)/n of it.
+So EP sends 4(n-1)/n·t·K·D·b and TP 8(n-1)·t·D·b: EP / TP = K / (2n) in bytes; on a pure
+bandwidth link EP is faster for K < 2n, and the crossover is capped at E (K cannot exceed
+it). Latency and which links each uses once the group spans nodes move it.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-from typing import Iterable, Sequence
+from typing import Sequence
 
-from ..tables import format_table
-from .accounting import StepCost, calls_per_step
-from .pipeline import step_cost
-from .collectives import Placement
-from .compare import crossover_topk, ep_vs_tp, sweep
-from .hardware import Hardware
+from ..tables import fmt_bytes, fmt_count, fmt_rate, fmt_time, format_table
+from .accounting import StepCost, step_cost
+from .collectives import Hardware, Link, Placement, sent_bytes
 from .model import CostLayout, MoESpec, layout_imbalance
-from . import replication_report
-from .units import fmt_bytes, fmt_count, fmt_rate, fmt_time
+
+
+# ---- EP against TP for the same FFN --------------------------------------------------------
+
+EP_A2A_PER_STEP = 4
+TP_AR_PER_STEP = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Comparison:
+    """EP vs TP for one (t, D, K, n) at equal global batch: bytes, bytes sent, times (per step)."""
+
+    tokens: int              # t, tokens per GPU
+    hidden: int
+    topk: int
+    group_size: int
+    ep_bytes: float          # per all-to-all, size convention: t·K·D·b
+    tp_bytes: float          # per all-reduce: n·t·D·b
+    ep_sent: float           # 4 x (n-1)/n x ep_bytes
+    tp_sent: float           # 4 x 2(n-1)/n x tp_bytes
+    ep_time: float
+    tp_time: float
+
+    @property
+    def ratio(self) -> float:
+        """EP time / TP time (< 1: expert parallelism is faster)."""
+        return self.ep_time / self.tp_time if self.tp_time else math.inf
+
+    @property
+    def winner(self) -> str:
+        return "EP" if self.ep_time < self.tp_time else "TP"
+
+
+def ep_vs_tp(hw: Hardware, hidden: int, tokens: float, topk: float, group_size: int,
+             gpus_per_node: int | None = None, dtype_bytes: int = 2, a2a_algo: str = "pairwise",
+             ar_algo: str = "auto") -> Comparison:
+    """Price EP's 4 all-to-alls against TP's 4 all-reduces on one group of ``group_size``
+    GPUs holding ``tokens`` tokens each (equal global batch)."""
+    for name, v in (("hidden", hidden), ("tokens", tokens), ("group_size", group_size)):
+        if not v >= 1:
+            raise ValueError(f"{name}={v} must be >= 1")
+    pl = Placement.contiguous(group_size, gpus_per_node or hw.gpus_per_node)
+    ep_b = tokens * topk * hidden * dtype_bytes
+    tp_b = group_size * tokens * hidden * dtype_bytes
+    ar = hw.resolve_algo("all_reduce", pl, tp_b, ar_algo)
+    return Comparison(tokens, hidden, topk, group_size, ep_b, tp_b,
+                      EP_A2A_PER_STEP * sent_bytes("all_to_all", pl, ep_b, a2a_algo),
+                      TP_AR_PER_STEP * sent_bytes("all_reduce", pl, tp_b, ar),
+                      EP_A2A_PER_STEP * hw.collective_time("all_to_all", pl, ep_b, a2a_algo),
+                      TP_AR_PER_STEP * hw.collective_time("all_reduce", pl, tp_b, ar_algo))
+
+
+def crossover_topk(hw: Hardware, hidden: int, tokens: float, group_size: int, experts: int | None = None,
+                   **kw) -> float:
+    """K* with EP time = TP time: EP is faster for K < K* (0: never; inf: for every K up to
+    ``experts``, the most a token can pick; 4096 when not given)."""
+    def diff(k):
+        c = ep_vs_tp(hw, hidden, tokens, k, group_size, **kw)
+        return c.ep_time - c.tp_time
+    lo, hi = 1e-6, float(experts or 4096)
+    if diff(lo) >= 0:
+        return 0.0
+    if diff(hi) < 0:
+        return math.inf
+    for _ in range(60):
+        mid = math.sqrt(lo * hi)
+        lo, hi = (mid, hi) if diff(mid) < 0 else (lo, mid)
+    return math.sqrt(lo * hi)
+
+
+def scale_bandwidth(hw: Hardware, factor: float) -> Hardware:
+    """The same machine with both links ``factor`` x faster (measured curves dropped)."""
+    def s(link: Link) -> Link:
+        return dataclasses.replace(link, bandwidth=link.bandwidth * factor)
+    return hw.replace(intra=s(hw.intra), inter=s(hw.inter), curves={}, nvls_algbw=hw.nvls_algbw * factor)
+
+
+def sweep(hw: Hardware, param: str, values, hidden: int, tokens: float, topk: float, group_size: int,
+          **kw) -> tuple[list[Comparison], list[str]]:
+    """EP vs TP along one of tokens | hidden | topk | group_size | bandwidth (a factor on both
+    links); returns the rows and, where the winner flips, the crossover located by bisection
+    (group size, being discrete, is reported between neighbours)."""
+    base = dict(hidden=hidden, tokens=tokens, topk=topk, group_size=group_size)
+    if param not in (*base, "bandwidth"):
+        raise ValueError(f"param={param!r} is not sweepable; valid: tokens, hidden, topk, group_size, bandwidth")
+
+    def at(v):
+        if param == "bandwidth":
+            return ep_vs_tp(scale_bandwidth(hw, v), **base, **kw)
+        return ep_vs_tp(hw, **{**base, param: v}, **kw)
+
+    rows = [at(v) for v in values]
+    notes = []
+    for (v0, r0), (v1, r1) in zip(zip(values, rows), zip(values[1:], rows[1:])):
+        if r0.winner == r1.winner:
+            continue
+        if param == "group_size":
+            notes.append(f"{param}: {r0.winner} at {v0}, {r1.winner} at {v1}")
+            continue
+        lo, hi = float(v0), float(v1)
+        for _ in range(40):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if at(mid).winner == r0.winner else (lo, mid)
+        notes.append(f"{param} crossover at {lo:.4g}: {r0.winner} below, {r1.winner} above")
+    label = "link bandwidth factor" if param == "bandwidth" else param
+    notes = [n.replace(f"{param} ", f"{label} ", 1) for n in notes]
+    if not notes and rows:
+        notes.append(f"{rows[0].winner} faster for every {label} in {values[0]:.4g}..{values[-1]:.4g}")
+    return rows, notes
+
+
+# ---- the report ----------------------------------------------------------------------------
 
 DEEPSPEED_NOTE = (
     "DeepSpeed's flops profiler reports 'params of model = params per GPU x mp_size' and "
@@ -77,6 +198,10 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
         crossovers += sweep(hw, param, values, s.hidden, t_gpu, s.topk, n_ref, **kw)[1]
     crossovers += sweep(hw, "group_size", sizes, s.hidden, t_gpu, s.topk, n_ref, **kw)[1]
     by_phase = {ph: sum(c.total_seconds for c in cost.layer if c.phase == ph) for ph in ("fwd", "bwd")}
+    replication = None
+    if baseline is not None:   # redundant experts, priced beside R = 0
+        from . import replication_report
+        replication = replication_report.summary(cost, baseline)
     return {
         "model": {k: v for k, v in vars(s).items()},
         "layout": {**vars(lay), "dp": lay.dp, "edp": lay.edp, "nodes": lay.nodes, "describe": lay.describe()},
@@ -93,7 +218,7 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
                    "deepspeed_style_total": p.rank * lay.tp},
         "routes": {"local_tokens": r.local_tokens, "mean": r.mean, "max": r.max, "capacity": r.capacity,
                    "imbalance": layout_imbalance(s, lay)},
-        "replication": replication_report.summary(cost, baseline) if baseline is not None else None,
+        "replication": replication,
         "flops": {"per_token": f.per_token, "model_per_microbatch": f.model, "rank_mean": f.rank_mean,
                   "rank_max": f.rank_max, "rank_expert_max": f.rank_expert_max,
                   "deepspeed_style_model": f.deepspeed_style, "rank_per_step": f.per_step_rank_max},
@@ -229,6 +354,7 @@ def render_text(rep: dict) -> str:
     for title, rows in _tables(rep):
         out += ["", f"== {title} ==", format_table(rows) if rows else "(none)"]
     if rep.get("replication"):
+        from . import replication_report
         out += [""] + replication_report.render_summary(rep["replication"])
     if rep["ep_vs_tp"]["crossovers"]:
         out += ["", f"crossovers (group of {rep['ep_vs_tp']['reference_group_size']}): "
@@ -251,6 +377,7 @@ def render_markdown(rep: dict) -> str:
     for title, rows in _tables(rep):
         out += ["", f"## {title}", "", markdown_table(rows)]
     if rep.get("replication"):
+        from . import replication_report
         title = replication_report.render_summary(rep["replication"])[0].strip("= ")
         out += ["", f"## {title}", "", markdown_table(replication_report.summary_rows(rep["replication"]))]
     if rep["ep_vs_tp"]["crossovers"]:
@@ -297,63 +424,6 @@ def plot_png(rep: dict, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-# ---- measured vs predicted ---------------------------------------------------------------
-
-def _placement_for(layout: CostLayout, n: int) -> Placement:
-    for kind in ("ep", "tp", "etp", "dp", "edp"):
-        if layout.size(kind) == n:
-            return layout.placement(kind)
-    return Placement.contiguous(n, layout.gpus_per_node)
-
-
-def measured_vs_predicted(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: Iterable,
-                          steps: int = 1) -> str:
-    """A table of the recorded ``CommEvent``s (op, group_size, nbytes, seconds, backward)
-    aggregated by (op, group size, phase), each beside the time the model predicts for the
-    same calls and bytes, and the calls/bytes the model expects for ``steps`` steps of
-    ``spec`` on ``layout`` (attention collectives included, so a model with no TP attention
-    issues fewer than expected)."""
-    agg: dict[tuple, dict] = {}
-    for e in events:
-        key = (e.op, e.group_size, "bwd" if e.backward else "fwd")
-        row = agg.setdefault(key, {"calls": 0, "bytes": 0.0, "measured": 0.0, "predicted": 0.0,
-                                   "model_calls": 0, "model_bytes": 0.0})
-        row["calls"] += 1
-        row["bytes"] += e.nbytes
-        row["measured"] += e.seconds
-        if e.op in ("send", "recv"):   # a stage boundary: priced as the worst link it may cross
-            pl = Placement(2, 1) if layout.stage_size >= layout.gpus_per_node else Placement(2, 2)
-            row["predicted"] += hardware.collective_time("p2p", pl, e.nbytes)
-        else:
-            row["predicted"] += hardware.collective_time(e.op, _placement_for(layout, e.group_size), e.nbytes)
-    if layout.pp > 1:   # rank 0's stage (the first)
-        from .pipeline import stage_cost
-        cost = stage_cost(spec, layout, hardware, 0)
-        spec = cost.spec
-    else:
-        cost = step_cost(spec, layout, hardware)
-    for c in cost.layer + cost.step + list(cost.p2p):
-        k = calls_per_step(c, spec) * steps
-        phase = c.phase if c.phase != "step" else "fwd"   # issued after backward, outside autograd
-        row = agg.setdefault((c.op, c.group_size, phase), {"calls": 0, "bytes": 0.0, "measured": 0.0,
-                                                          "predicted": 0.0, "model_calls": 0, "model_bytes": 0.0})
-        row["model_calls"] += k
-        row["model_bytes"] += k * c.nbytes
-    rows = []
-    for (op, n, phase), r in sorted(agg.items()):
-        rows.append({"op": op, "n": n, "phase": phase, "calls": r["calls"], "model calls": r["model_calls"],
-                     "bytes": fmt_bytes(r["bytes"]), "model bytes": fmt_bytes(r["model_bytes"]),
-                     "measured": fmt_time(r["measured"]) if r["calls"] else "-",
-                     "predicted": fmt_time(r["predicted"]) if r["calls"] else "-",
-                     "pred/meas": f"{r['predicted'] / r['measured']:.3g}" if r["measured"] > 0 else "-"})
-    meas = sum(r["measured"] for r in agg.values())
-    pred = sum(r["predicted"] for r in agg.values())
-    head = (f"communication, measured vs predicted ({hardware.name}; predicted at the recorded bytes; "
-            f"model calls for {steps} step(s) of {layout.describe()}):")
-    tail = f"total: measured {fmt_time(meas)}, predicted {fmt_time(pred)}"
-    return "\n".join([head, format_table(rows) if rows else "(no collectives recorded)", tail])
 
 
 def report_for(spec: MoESpec, layout: CostLayout, hardware: Hardware, **kw) -> str:

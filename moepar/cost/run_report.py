@@ -25,19 +25,21 @@ With pipeline stages (``layout.pp > 1``) a rank reports its own stage (``pipelin
 the blocks it holds (the runtime splits them evenly over the stages), its stage's groups, and
 its point-to-point sends and receives (op "send"/"recv", group size pp; activations forward,
 their gradients backward), counted like every collective.
+
+``measured_vs_predicted`` is the shorter table: the recorded calls by (op, group size, phase),
+each beside the time the model predicts for the same bytes.
 """
 from __future__ import annotations
 
 import dataclasses
 from typing import Iterable
 
-from ..tables import format_table
-from .accounting import calls_per_step, wire_bytes
-from .pipeline import check_stages, stage_cost, step_cost
-from .hardware import Hardware
-from .model import CostLayout, MoESpec, dedup_fraction
+from ..tables import fmt_bytes, fmt_time, format_table
+from .accounting import calls_per_step, step_cost
+from .collectives import Hardware, Placement
+from .model import CostLayout, MoESpec, dedup_fraction, wire_bytes
+from .pipeline import check_stages, stage_cost
 from .replication import expert_slice_params
-from .units import fmt_bytes, fmt_time
 
 RECEIVED = ("MoE combine", "MoE dispatch grad")   # calls whose send buffer is the rows received
 REPLICA = ("MoE replica weights", "MoE replica grads")   # each: the copies this rank sends
@@ -151,3 +153,59 @@ def render_run(rows: list[RunRow], hardware: Hardware, layout: CostLayout, steps
                else "MISMATCH: the rows marked NO differ from the model")
     return "\n".join([head, format_table(table) if table else "(no collectives recorded)", "",
                       "totals:", format_table(totals), verdict])
+
+
+# ---- measured vs predicted ---------------------------------------------------------------
+
+def _placement_for(layout: CostLayout, n: int) -> Placement:
+    for kind in ("ep", "tp", "etp", "dp", "edp"):
+        if layout.size(kind) == n:
+            return layout.placement(kind)
+    return Placement.contiguous(n, layout.gpus_per_node)
+
+
+def measured_vs_predicted(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: Iterable,
+                          steps: int = 1) -> str:
+    """A table of the recorded ``CommEvent``s (op, group_size, nbytes, seconds, backward)
+    aggregated by (op, group size, phase), each beside the time the model predicts for the
+    same calls and bytes, and the calls/bytes the model expects for ``steps`` steps of
+    ``spec`` on ``layout`` (attention collectives included, so a model with no TP attention
+    issues fewer than expected)."""
+    agg: dict[tuple, dict] = {}
+    for e in events:
+        key = (e.op, e.group_size, "bwd" if e.backward else "fwd")
+        row = agg.setdefault(key, {"calls": 0, "bytes": 0.0, "measured": 0.0, "predicted": 0.0,
+                                   "model_calls": 0, "model_bytes": 0.0})
+        row["calls"] += 1
+        row["bytes"] += e.nbytes
+        row["measured"] += e.seconds
+        if e.op in ("send", "recv"):   # a stage boundary: priced as the worst link it may cross
+            pl = Placement(2, 1) if layout.stage_size >= layout.gpus_per_node else Placement(2, 2)
+            row["predicted"] += hardware.collective_time("p2p", pl, e.nbytes)
+        else:
+            row["predicted"] += hardware.collective_time(e.op, _placement_for(layout, e.group_size), e.nbytes)
+    if layout.pp > 1:   # rank 0's stage (the first)
+        cost = stage_cost(spec, layout, hardware, 0)
+        spec = cost.spec
+    else:
+        cost = step_cost(spec, layout, hardware)
+    for c in cost.layer + cost.step + list(cost.p2p):
+        k = calls_per_step(c, spec) * steps
+        phase = c.phase if c.phase != "step" else "fwd"   # issued after backward, outside autograd
+        row = agg.setdefault((c.op, c.group_size, phase), {"calls": 0, "bytes": 0.0, "measured": 0.0,
+                                                          "predicted": 0.0, "model_calls": 0, "model_bytes": 0.0})
+        row["model_calls"] += k
+        row["model_bytes"] += k * c.nbytes
+    rows = []
+    for (op, n, phase), r in sorted(agg.items()):
+        rows.append({"op": op, "n": n, "phase": phase, "calls": r["calls"], "model calls": r["model_calls"],
+                     "bytes": fmt_bytes(r["bytes"]), "model bytes": fmt_bytes(r["model_bytes"]),
+                     "measured": fmt_time(r["measured"]) if r["calls"] else "-",
+                     "predicted": fmt_time(r["predicted"]) if r["calls"] else "-",
+                     "pred/meas": f"{r['predicted'] / r['measured']:.3g}" if r["measured"] > 0 else "-"})
+    meas = sum(r["measured"] for r in agg.values())
+    pred = sum(r["predicted"] for r in agg.values())
+    head = (f"communication, measured vs predicted ({hardware.name}; predicted at the recorded bytes; "
+            f"model calls for {steps} step(s) of {layout.describe()}):")
+    tail = f"total: measured {fmt_time(meas)}, predicted {fmt_time(pred)}"
+    return "\n".join([head, format_table(rows) if rows else "(no collectives recorded)", tail])

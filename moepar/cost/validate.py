@@ -24,8 +24,8 @@ import torch
 
 from .calibrate import (CALIBRATED_OPS, DTYPES, Buffers, MiB, collective_fn, device, ensure_process_group,
                         load_average, make_groups, midpoints, op_group_sizes, size_sweep, time_interleaved)
-from .collectives import P2P, Placement
-from .hardware import Hardware, machine_description, utc_now
+from .collectives import P2P, Hardware, Placement
+from .profiles import machine_description, utc_now
 
 PICK_MARGIN = 0.15   # EP-vs-TP cases count for the pick accuracy when measured times differ more
 ANCHOR_SIZES = (256 * 1024, 2 * MiB, 16 * MiB)   # calibrated sizes re-timed in every pass
@@ -257,8 +257,7 @@ def run_validation(hardware: Hardware, sources: Sequence[Callable] | None = None
 
 def format_validation(res: ValidationResult, table: Callable[[list[dict]], str] | None = None) -> str:
     """The rows (predicted vs measured, relative error) and the summary lines."""
-    from ..tables import format_table
-    from .units import fmt_bytes
+    from ..tables import fmt_bytes, format_table
     table = table or format_table
     rows = [{"source": r.source, "case": r.case + (f" {r.role}" if r.role else ""), "op": r.op,
              "n": r.group_size, "size": fmt_bytes(r.nbytes), "predicted ms": f"{r.predicted * 1e3:.4g}",

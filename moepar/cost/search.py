@@ -1,16 +1,6 @@
-"""Expert parallelism against tensor slicing for the same FFN, crossovers, and ``recommend``.
-
-Both sides process the same global batch: n GPUs holding ``t`` tokens each (the layer
-table's T/tp, so EP rows are the layer table's and ``recommend``'s (T/tp)·K, balanced).
-What is counted per rank, per MoE layer, per training step (b bytes per element):
-  EP over n: 4 all-to-alls of t·K·D·b (dispatch and combine, forward and backward; the
-      tiny counts exchange is left out); each sends (n-1)/n of its buffer.
-  TP over n: the group's n·t tokens are replicated on its ranks; 4 all-reduces of n·t·D·b
-      (2 forward: attention-style row-parallel output and the FFN's; 2 backward, Megatron's
-      f/g); each sends 2(n-1)/n of it.
-So EP sends 4(n-1)/n·t·K·D·b and TP 8(n-1)·t·D·b: EP / TP = K / (2n) in bytes; on a pure
-bandwidth link EP is faster for K < 2n, and the crossover is capped at E (K cannot exceed
-it). Latency and which links each uses once the group spans nodes move it.
+"""The layout search of ``recommend``: every layout of a GPU count priced at one global batch,
+ranked by predicted step time (those that fit in memory first), and where a given layout ranks
+(``--find``).
 """
 from __future__ import annotations
 
@@ -18,123 +8,12 @@ import dataclasses
 import math
 
 from .. import checks
-from .accounting import StepCost
-from .pipeline import step_cost
-from .collectives import Link, Placement, sent_bytes
-from .hardware import Hardware
+from ..tables import fmt_bytes, fmt_time, format_table
+from .accounting import StepCost, step_cost
+from .collectives import Hardware
 from .model import CostLayout, MoESpec, divisors
-from ..tables import format_table
 from .schedules import check_pipeline
-from .units import fmt_bytes, fmt_time
 
-EP_A2A_PER_STEP = 4
-TP_AR_PER_STEP = 4
-
-
-@dataclasses.dataclass(frozen=True)
-class Comparison:
-    """EP vs TP for one (t, D, K, n) at equal global batch: bytes, bytes sent, times (per step)."""
-
-    tokens: int              # t, tokens per GPU
-    hidden: int
-    topk: int
-    group_size: int
-    ep_bytes: float          # per all-to-all, size convention: t·K·D·b
-    tp_bytes: float          # per all-reduce: n·t·D·b
-    ep_sent: float           # 4 x (n-1)/n x ep_bytes
-    tp_sent: float           # 4 x 2(n-1)/n x tp_bytes
-    ep_time: float
-    tp_time: float
-
-    @property
-    def ratio(self) -> float:
-        """EP time / TP time (< 1: expert parallelism is faster)."""
-        return self.ep_time / self.tp_time if self.tp_time else math.inf
-
-    @property
-    def winner(self) -> str:
-        return "EP" if self.ep_time < self.tp_time else "TP"
-
-
-def ep_vs_tp(hw: Hardware, hidden: int, tokens: float, topk: float, group_size: int,
-             gpus_per_node: int | None = None, dtype_bytes: int = 2, a2a_algo: str = "pairwise",
-             ar_algo: str = "auto") -> Comparison:
-    """Price EP's 4 all-to-alls against TP's 4 all-reduces on one group of ``group_size``
-    GPUs holding ``tokens`` tokens each (equal global batch)."""
-    for name, v in (("hidden", hidden), ("tokens", tokens), ("group_size", group_size)):
-        if not v >= 1:
-            raise ValueError(f"{name}={v} must be >= 1")
-    pl = Placement.contiguous(group_size, gpus_per_node or hw.gpus_per_node)
-    ep_b = tokens * topk * hidden * dtype_bytes
-    tp_b = group_size * tokens * hidden * dtype_bytes
-    ar = hw.resolve_algo("all_reduce", pl, tp_b, ar_algo)
-    return Comparison(tokens, hidden, topk, group_size, ep_b, tp_b,
-                      EP_A2A_PER_STEP * sent_bytes("all_to_all", pl, ep_b, a2a_algo),
-                      TP_AR_PER_STEP * sent_bytes("all_reduce", pl, tp_b, ar),
-                      EP_A2A_PER_STEP * hw.collective_time("all_to_all", pl, ep_b, a2a_algo),
-                      TP_AR_PER_STEP * hw.collective_time("all_reduce", pl, tp_b, ar_algo))
-
-
-def crossover_topk(hw: Hardware, hidden: int, tokens: float, group_size: int, experts: int | None = None,
-                   **kw) -> float:
-    """K* with EP time = TP time: EP is faster for K < K* (0: never; inf: for every K up to
-    ``experts``, the most a token can pick; 4096 when not given)."""
-    def diff(k):
-        c = ep_vs_tp(hw, hidden, tokens, k, group_size, **kw)
-        return c.ep_time - c.tp_time
-    lo, hi = 1e-6, float(experts or 4096)
-    if diff(lo) >= 0:
-        return 0.0
-    if diff(hi) < 0:
-        return math.inf
-    for _ in range(60):
-        mid = math.sqrt(lo * hi)
-        lo, hi = (mid, hi) if diff(mid) < 0 else (lo, mid)
-    return math.sqrt(lo * hi)
-
-
-def scale_bandwidth(hw: Hardware, factor: float) -> Hardware:
-    """The same machine with both links ``factor`` x faster (measured curves dropped)."""
-    def s(link: Link) -> Link:
-        return dataclasses.replace(link, bandwidth=link.bandwidth * factor)
-    return hw.replace(intra=s(hw.intra), inter=s(hw.inter), curves={}, nvls_algbw=hw.nvls_algbw * factor)
-
-
-def sweep(hw: Hardware, param: str, values, hidden: int, tokens: float, topk: float, group_size: int,
-          **kw) -> tuple[list[Comparison], list[str]]:
-    """EP vs TP along one of tokens | hidden | topk | group_size | bandwidth (a factor on both
-    links); returns the rows and, where the winner flips, the crossover located by bisection
-    (group size, being discrete, is reported between neighbours)."""
-    base = dict(hidden=hidden, tokens=tokens, topk=topk, group_size=group_size)
-    if param not in (*base, "bandwidth"):
-        raise ValueError(f"param={param!r} is not sweepable; valid: tokens, hidden, topk, group_size, bandwidth")
-
-    def at(v):
-        if param == "bandwidth":
-            return ep_vs_tp(scale_bandwidth(hw, v), **base, **kw)
-        return ep_vs_tp(hw, **{**base, param: v}, **kw)
-
-    rows = [at(v) for v in values]
-    notes = []
-    for (v0, r0), (v1, r1) in zip(zip(values, rows), zip(values[1:], rows[1:])):
-        if r0.winner == r1.winner:
-            continue
-        if param == "group_size":
-            notes.append(f"{param}: {r0.winner} at {v0}, {r1.winner} at {v1}")
-            continue
-        lo, hi = float(v0), float(v1)
-        for _ in range(40):
-            mid = math.sqrt(lo * hi)
-            lo, hi = (mid, hi) if at(mid).winner == r0.winner else (lo, mid)
-        notes.append(f"{param} crossover at {lo:.4g}: {r0.winner} below, {r1.winner} above")
-    label = "link bandwidth factor" if param == "bandwidth" else param
-    notes = [n.replace(f"{param} ", f"{label} ", 1) for n in notes]
-    if not notes and rows:
-        notes.append(f"{rows[0].winner} faster for every {label} in {values[0]:.4g}..{values[-1]:.4g}")
-    return rows, notes
-
-
-# ---- recommend ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
