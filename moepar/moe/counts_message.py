@@ -13,7 +13,7 @@ so with no further collective it knows
   count (sequence parallelism);
 * whether any rank of the block has a bad input: every rank then raises, nobody waits.
 
-This row is also what the forward reads back to the host, once (``device.read_to_host``):
+This row is also what the forward reads back to the host, once (``comm.read_to_host``):
 one all-gather of ``block`` rows of ``width(E, P)`` int64, ``message_bytes`` in nccl-tests'
 all-gather size convention (the gathered bytes), which the cost model prices.
 """

@@ -25,7 +25,7 @@ known on every rank without an exchange, so it reads nothing back to the host. A
 block is one rank (tp = ep = etp = 1) exchanges nothing either.
 
 Its collectives, with their groups and bytes, are rows of the layer's table
-(``moepar/moe/traffic.py``), which the cost model prices and tests/test_traffic.py checks
+(``moepar/moe/traffic.py``), which the cost model prices and tests/moe/test_traffic.py checks
 against what a call records; the backward reads nothing back to the host.
 The dispatcher keeps no state between calls (``combine`` needs only the metadata) and no
 process group: it reads them from the ParallelState at each call (``moe_topology``).
@@ -38,7 +38,7 @@ import torch
 
 from moepar_kernels.permute_index import check_permute_args
 
-from ..parallel import comm, device, regions
+from ..parallel import comm, regions
 from ..parallel.groups import MoeTopology as Topology
 from . import counts_message as msg, cpu
 from .dedup import DEDUP_MAX_FRACTION, dedup_rows, group_dedups
@@ -344,7 +344,7 @@ def exchange(c: Contribution, topo: Topology, num_experts: int, like: torch.Tens
     them to the host once: (rows on the device [B, W], the same on the host)."""
     row = build_row(c, num_experts, topo.ep, comm.small_device(topo.block, like))
     rows = comm.all_gather_rows(row, topo.block, stats=stats)
-    return rows, device.read_to_host(rows)
+    return rows, comm.read_to_host(rows)
 
 
 FLAG_ERRORS = {   # the message a rank gives for its own device-side verdict
@@ -422,7 +422,7 @@ def decide(rows_dev: torch.Tensor, host: torch.Tensor, topo: Topology, num_exper
     cut = any(k is not lo and bool((k != lo).any()) for lo, k, _ in groups)
     counts_SL = torch.cat([k[:, mine] for _, k, _ in groups])              # [etp*P, L]
     if cut:
-        counts_SL_dev = device.to_device(counts_SL, rows_dev.device)
+        counts_SL_dev = comm.to_device(counts_SL, rows_dev.device)
     else:   # views of the gathered rows: the sub-block's [P, etp] rows, ETP peer-major
         W = rows_dev.shape[1]
         counts_SL_dev = rows_dev[R.sub:R.sub + P * etp].view(P, etp, W).transpose(0, 1)[:, :, mine].reshape(-1, L)

@@ -194,7 +194,7 @@ def _gather_etp(call: Call, x_recv: torch.Tensor, etp_sizes) -> torch.Tensor:
     its ETP peers: all-gather them (backward: reduce-scatter)."""
     if call.topo.etp == 1:
         return x_recv
-    return regions.gather_from_sequence_region(x_recv, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
+    return regions.gather_partial_grads(x_recv, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
 
 
 def _return_rows(call: Call, y: torch.Tensor, etp_sizes, send, recv) -> torch.Tensor:

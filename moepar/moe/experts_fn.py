@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu
-from ..parallel.device import to_device
+from ..parallel.comm import to_device
 
 
 GEMM_PATHS = ("auto", "grouped_mm", "loop", "bmm")

@@ -27,7 +27,7 @@ from fractions import Fraction
 import torch
 
 from .. import checks
-from ..parallel.device import to_device
+from ..parallel.comm import to_device
 
 
 def check_receive_capacity_factor(value) -> None:

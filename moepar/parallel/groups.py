@@ -196,8 +196,8 @@ class ParallelState:
         """This rank's EP, ETP and TP peers as rows of its MoE block (``Layout.moe_rows``)."""
         return self.layout.moe_rows(self.rank)
 
-    # A state's layout and groups never change once made, so the MoE layers' view of them
-    # is computed once, on first use (and goes with the state at destroy_parallel).
+    # A state's layout and groups do not change until destroy_parallel forgets the groups
+    # (and these with them), so the MoE layers' view of them is computed once, on first use.
     @functools.cached_property
     def moe_topology(self) -> "MoeTopology":
         """What an MoE layer's forward needs of this rank's groups (TP ranks share tokens)."""
@@ -414,6 +414,8 @@ def _drop_references() -> None:
     if state is not None:
         state.groups.clear()
         state.meshes.clear()
+        for cached in ("moe_topology", "moe_topology_sp"):   # they hold the groups too
+            state.__dict__.pop(cached, None)
     _unpin_default_groups()
     gc.collect()
 

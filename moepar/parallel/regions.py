@@ -95,7 +95,7 @@ class _Gather(_RowBlockOp):  # forward: all-gather; backward: own block (replica
     bwd = staticmethod(_split)
 
 
-class _GatherSequence(_RowBlockOp):  # forward: all-gather; backward: reduce-scatter
+class _GatherPartials(_RowBlockOp):  # forward: all-gather; backward: reduce-scatter
     fwd = staticmethod(_gather)
     bwd = staticmethod(lambda ctx, g: _reduce_scatter(ctx, g, backward=True))
 
@@ -133,10 +133,12 @@ def gather_from_region(x: torch.Tensor, group, dim: int = -1, sizes: Sequence[in
     return _row_block(_Gather, x, group, dim, sizes, stats)
 
 
-def gather_from_sequence_region(x: torch.Tensor, group, dim: int = 0, sizes: Sequence[int] | None = None,
-                                stats: CommStats | None = None) -> torch.Tensor:
-    """All-gather along the sequence ``dim``; backward reduce-scatters the gradient."""
-    return _row_block(_GatherSequence, x, group, dim, sizes, stats)
+def gather_partial_grads(x: torch.Tensor, group, dim: int = 0, sizes: Sequence[int] | None = None,
+                         stats: CommStats | None = None) -> torch.Tensor:
+    """All-gather along ``dim`` for ranks that each compute a partial sum from the whole
+    (sequence parallelism's TP linears, the expert-TP ranks' FFN slices); so backward
+    reduce-scatters the gradient: each rank gets its block of the summed partials."""
+    return _row_block(_GatherPartials, x, group, dim, sizes, stats)
 
 
 def reduce_scatter_to_region(x: torch.Tensor, group, dim: int = 0, sizes: Sequence[int] | None = None,

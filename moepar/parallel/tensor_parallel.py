@@ -123,8 +123,8 @@ class ColumnParallelLinear(_TPModule):
         if x.shape[-1] != self.in_features:
             raise ValueError(f"input last dim {x.shape[-1]} != in_features={self.in_features}")
         if self.sequence_parallel:
-            return regions.gather_from_sequence_region(x, self.group, dim=self.sequence_dim, sizes=sequence_sizes,
-                                                       stats=stats)
+            return regions.gather_partial_grads(x, self.group, dim=self.sequence_dim, sizes=sequence_sizes,
+                                                stats=stats)
         return regions.copy_to_region(x, self.group, stats=stats)
 
     def local(self, x: torch.Tensor, stats: comm.CommStats | None = None) -> torch.Tensor:
