@@ -6,7 +6,7 @@ two training runs (compute-dtype dispatch vs FP8 dispatch) side by side.
     bash scripts/main.sh --out runs/fp8 --dispatch-dtype fp8
     python scripts/fp8_accuracy.py --runs runs/base runs/fp8 --plot docs/fp8_dispatch_loss.png
 
-The dispatch all-to-all only moves rows, so the FP8 layer equals (tests/test_fp8_dispatch.py,
+The dispatch all-to-all only moves rows, so the FP8 layer equals (tests/moe/test_fp8_dispatch.py,
 within 1e-6) one process whose experts see the quantize-dequantize of their rows: that is
 what is measured here, in one process. Errors: relative RMS (||y8 - y|| / ||y||) and the
 largest element error relative to max |y|.

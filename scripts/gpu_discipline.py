@@ -1,8 +1,8 @@
 """What the MoE layer's forward and backward would pay on a GPU, measured on the CPU.
 
 Runs ``moepar.MoE`` layers (hidden 8, ffn 12, fp32, 4 experts, top-2, 6 tokens a rank,
-built by tests/moe_ref.py; ``--dtype bfloat16 --ffn 16`` reaches the grouped_mm path an
-sm90 GPU takes) on gloo processes started with the fake-CUDA shim (tests/fake_cuda): the
+built by tests/helpers/moe_ref.py; ``--dtype bfloat16 --ffn 16`` reaches the grouped_mm path an
+sm90 GPU takes) on gloo processes started with the fake-CUDA shim (tests/helpers/fake_cuda): the
 input and the parameters are "cuda" tensors holding CPU data, collectives behave like
 NCCL's. For each layout it prints a markdown table: host reads (each one drains the CUDA
 stream) and blocking host->device copies per forward and per backward, the rank groups of
@@ -17,9 +17,9 @@ async_op=True. Then each counted event of rank 0, with its line.
     TRITON_INTERPRET=1 .venv/bin/python scripts/gpu_discipline.py --moepar-path ../wt/path
 
 ``--moepar-path DIR``: a directory holding ``moepar`` and ``moepar_kernels`` (put first on
-sys.path in this process and in the workers); the instrument (tests/fake_cuda) and the
-layer builder (tests/moe_ref.py) always come from this repository. The workers are
-spawned by tests.multiproc.run_ranks(fake_cuda=True), so the script is run directly (not
+sys.path in this process and in the workers); the instrument (tests/helpers/fake_cuda) and the
+layer builder (tests/helpers/moe_ref.py) always come from this repository. The workers are
+spawned by tests.helpers.multiproc.run_ranks(fake_cuda=True), so the script is run directly (not
 under torchrun); it needs g++ and torch's headers to compile the shim once (cached).
 """
 from __future__ import annotations
@@ -110,7 +110,7 @@ def case_worker(moepar_path, tp, ep, etp, options, strict, grad_op=None, dtype="
     import warnings
     warnings.filterwarnings("ignore", category=FutureWarning)   # torch's deprecation notes, per call
     import moepar
-    from tests import fake_cuda, moe_ref
+    from tests.helpers import fake_cuda, moe_ref
     state = moepar.init_parallel(tp, ep, etp, verbose=False)
     import torch
     kw = dict(options, ffn_hidden=ffn)
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     if args.moepar_path:   # the workers are spawned with this environment
         os.environ["PYTHONPATH"] = os.pathsep.join([os.path.abspath(args.moepar_path), ROOT] + [
             p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
-    from tests.multiproc import RankFailure, close_pools, run_ranks
+    from tests.helpers.multiproc import RankFailure, close_pools, run_ranks
 
     wanted = [s.strip() for s in args.cases.split(",")] if args.cases else None
     rows, details = [], []
@@ -253,7 +253,7 @@ def main(argv=None) -> int:
     close_pools()
     header = (f"moepar: {moepar_file}; hidden 8, ffn {args.ffn}, {args.dtype}, 4 experts, k=2, {TOKENS} tokens "
               f"a rank; fake CUDA (an sm90 device) "
-              f"(tests/fake_cuda); counts are the max over ranks (min-max where they differ); forward includes "
+              f"(tests/helpers/fake_cuda); counts are the max over ranks (min-max where they differ); forward includes "
               f"the aux loss; grad rows count only the grad_norm / clip_grad_norm_ call after a backward; "
               f"'max abs diff vs CPU': the fake-CUDA run (Triton kernels) vs the same layer on the CPU.\n\n"
               "| case | world | layer block | host reads fwd | host reads bwd | blocking H2D fwd "

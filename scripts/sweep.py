@@ -1,13 +1,13 @@
 """Random sweep: the distributed MoE layer against the single-process layer.
 
 ``python scripts/sweep.py [--seconds 600] [--seed 0] [--world 4] [--cases N]`` (from the
-repository root) draws cases (tests/sweep_cases.py: layouts (tp, ep, etp), the token
+repository root) draws cases (tests/helpers/sweep_cases.py: layouts (tp, ep, etp), the token
 exchange form each must take, router and expert options, capacities, the receive guard,
 nonzero expert biases, token counts 5, 0, 3, 7 per replica or 6 each, fp32, float64 and
 bf16, hidden sizes, sequence parallelism), runs each on ``--world`` gloo processes, and
 checks that the exchange took the drawn form and that outputs, input gradients, every
 weight gradient and the dropped-route counts match the single-process layer on the same
-replicas within tests/tolerances.py's tolerance of the case's dtype. It prints each failing
+replicas within tests/helpers/tolerances.py's tolerance of the case's dtype. It prints each failing
 case with its error and ends with the counts; exit status 1 if any failed. Run it after
 changing the dispatcher, the router or the layouts; 2026-12-01 sweeps found two bugs
 (padded capacity with a rank of no tokens; shared experts under SP with unequal slices).
@@ -25,8 +25,8 @@ import traceback
 # import them from the repository root.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tests.multiproc import run_ranks  # noqa: E402
-from tests.sweep_cases import check, draw, run_case  # noqa: E402
+from tests.helpers.multiproc import run_ranks  # noqa: E402
+from tests.helpers.sweep_cases import check, draw, run_case  # noqa: E402
 
 
 def sweep(seconds: float, seed: int, world: int, cases: int | None = None, out=sys.stdout) -> tuple[int, int]:

@@ -22,7 +22,7 @@ def _reset_moepar_state():
 def _gloo_workers_exit_cleanly():
     """At the end of the session, stop the shared gloo worker pools and fail (as an error in
     the last test's teardown) if any worker did not exit 0 (a finished job must
-    exit cleanly; tests/multiproc.py)."""
+    exit cleanly; tests/helpers/multiproc.py)."""
     yield
-    from .multiproc import check_exits
+    from .helpers.multiproc import check_exits
     check_exits()

@@ -5,7 +5,7 @@ Each ``*_main(argv)`` returns an exit code: 0 on success, 2 when the input is in
 (the message, naming the valid values, goes to stderr). These commands never import torch
 (a laptop without it can price a layout, and start-up stays quick); ``calibrate`` and
 ``validate``, which measure, are ``moepar.cost.cli_measure``'s and import the torch-using
-modules inside their commands (tests/test_cost_cli_imports.py).
+modules inside their commands (tests/cost/test_cost_cli_imports.py).
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The MoE layer's collectives as data: one table of what a forward and its backward issue.
 
 Torch-free: the cost model's per-layer accounting (``moepar.cost.accounting``) prices this
-list, and ``tests/test_traffic.py`` compares it, op by op, with the collectives the layer
+list, and ``tests/moe/test_traffic.py`` compares it, op by op, with the collectives the layer
 records in ``moe.stats.comm`` across the layouts and options the suite runs. The steps it
 names are docs/moe.md's (one numbering); letters as in the legend there.
 

@@ -1,0 +1,1 @@
+"""Tests of moepar/bench/: the benchmark modes and the plain-torch reference MoE."""

@@ -1,0 +1,1 @@
+"""Tests of moepar/cost/: the cost model, pricing, CLI, calibrate/validate, run report."""

@@ -1,0 +1,1 @@
+"""Tests of moepar/hf/: transformers MoE blocks, drop-in swaps, whole models and checkpoints."""

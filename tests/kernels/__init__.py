@@ -1,0 +1,1 @@
+"""Tests of kernels/ (imported as moepar_kernels): routing, permute, permute_fp8, the name."""
