@@ -120,7 +120,7 @@ class Block(nn.Module):
                 z_loss_coeff=cfg.z_loss_coeff, aux_loss_scope=cfg.aux_loss_scope,
                 expert_tensor_parallel_size=state.etp_size,
                 sequence_parallel=cfg.sequence_parallel, state=state, init_seed=seed + 50, init_std=0.02,
-                checkpoint_experts=cfg.checkpoint_activations, cpu_source_major=cfg.cpu_source_major,
+                recompute_experts=cfg.checkpoint_activations, cpu_source_major=cfg.cpu_source_major,
                 dispatch_dtype=cfg.dispatch_dtype, redundant_experts=cfg.redundant_experts)
         else:
             self.ffn = DenseMLP(cfg, state, seed + 50)

@@ -9,6 +9,14 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+def pytest_addoption(parser):
+    g = parser.getgroup("moepar sweep", "the random sweep (tests/project/test_sweep.py, -m slow)")
+    g.addoption("--sweep-seconds", type=float, default=600, help="how long to draw cases")
+    g.addoption("--sweep-seed", type=int, default=0)
+    g.addoption("--sweep-world", type=int, default=4, help="gloo processes per case")
+    g.addoption("--sweep-cases", type=int, default=None, help="stop after this many cases")
+
+
 @pytest.fixture(autouse=True)
 def _reset_moepar_state():
     from moepar.parallel import groups

@@ -19,7 +19,7 @@ from .._lazy import attach as _attach
 # public name -> the module defining it; imported on first use, so that the torch-free
 # family table (``moepar.hf.catalog``, read by the cost model) loads without torch.
 _NAMES = {
-    **{n: ".checkpoint" for n in ("SafetensorsCheckpoint", "load_pretrained", "params_on_meta", "save_hf_checkpoint")},
+    **{n: ".safetensors_io" for n in ("SafetensorsCheckpoint", "load_pretrained", "params_on_meta", "save_hf_checkpoint")},
     **{n: ".convert" for n in ("HFMoEBlock", "check_source", "convert_block", "hf_model_state_dict", "hf_state_dict",
                                 "moe_block_names", "replace_moe_blocks")},
     "FAMILIES": ".catalog", "Family": ".catalog",

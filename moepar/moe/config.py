@@ -52,7 +52,7 @@ class MoEConfig:
         "global" (over the whole global batch across data parallelism).
     Computation:
         gemm_path: "auto" | "grouped_mm" | "loop" | "bmm" (``moepar.moe.experts_fn``).
-        checkpoint_experts: recompute the expert FFNs in backward.
+        recompute_experts: recompute the expert FFNs in backward.
         dtype: expert parameter dtype (default: torch's default dtype).
         init_seed, init_std: weight init (seed drawn from the default RNG when None, the
         same on every rank since init_parallel seeds it alike; also the router's).
@@ -126,7 +126,7 @@ class MoEConfig:
     sequence_parallel: bool = False
     aux_loss_scope: str = "local"
     gemm_path: str = "auto"
-    checkpoint_experts: bool = False
+    recompute_experts: bool = False
     dtype: Optional[torch.dtype] = None
     init_seed: Optional[int] = None
     init_std: Optional[float] = None
@@ -162,7 +162,7 @@ class MoEConfig:
                               ("gemm_path", GEMM_PATHS), ("dedup", DEDUP_MODES),
                               ("dispatch_dtype", DISPATCH_DTYPES), ("combine_grad_dtype", COMBINE_GRAD_DTYPES)):
             checks.one_of(name, getattr(self, name), allowed)
-        for name in ("bias", "sequence_parallel", "checkpoint_experts", "cpu_source_major", "check_finite",
+        for name in ("bias", "sequence_parallel", "recompute_experts", "cpu_source_major", "check_finite",
                      "overlap_shared_experts", "shared_expert_gate", "router_bias", "score_before_experts"):
             checks.boolean(name, getattr(self, name))
         self._check_hf_options()

@@ -210,7 +210,7 @@ class MoE(nn.Module):
     pad_to_capacity = property(lambda self: self.config.router.pad_to_capacity)
     # Recompute the expert FFNs in backward instead of storing [M, F] activations; the
     # dispatch collectives sit outside the recomputed region, so none is re-run.
-    checkpoint_experts = property(lambda self: self.config.checkpoint_experts)
+    recompute_experts = property(lambda self: self.config.recompute_experts)
     ep = property(lambda self: self.state.ep_size)
     etp = property(lambda self: self.state.etp_size)
     tp = property(lambda self: self.state.tp_size)
@@ -345,7 +345,7 @@ class MoE(nn.Module):
             args, kw = (x_local, segments[1], segments[0]), {}
         else:
             args, kw = (x_local, meta.counts_dev), {"host_counts": meta.counts}
-        if self.checkpoint_experts and torch.is_grad_enabled():
+        if self.recompute_experts and torch.is_grad_enabled():
             y_local = torch.utils.checkpoint.checkpoint(self.experts, *args, use_reentrant=False, **kw)
         else:
             y_local = self.experts(*args, **kw)

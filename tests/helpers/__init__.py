@@ -1,2 +1,2 @@
-"""Helpers shared by the tests (and by scripts/sweep.py, scripts/gpu_discipline.py): no tests
+"""Helpers shared by the tests (and by scripts/gpu_discipline.py): no tests
 here. See tests/README.md for what each module is."""

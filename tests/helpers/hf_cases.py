@@ -191,7 +191,7 @@ def sharded_worker(path: str, ids: torch.Tensor):
     """This rank's model from the sharded checkpoint (ep=2): its logits, and what it read."""
     import_transformers()
     from moepar.hf import load_pretrained
-    from moepar.hf.checkpoint import SafetensorsCheckpoint
+    from moepar.hf.safetensors_io import SafetensorsCheckpoint
     from moepar.parallel import init_parallel
     state = init_parallel(1, 2, verbose=False)
     reads = []

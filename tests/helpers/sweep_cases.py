@@ -1,4 +1,5 @@
-"""The random sweep's cases (scripts/sweep.py runs them; tests/project/test_sweep.py runs a few).
+"""The random sweep's cases and its loop (``sweep``); tests/project/test_sweep.py runs a few
+fixed ones in every run and, marked slow, the timed random sweep.
 
 A case is a dict: ``layout`` (tp, ep, etp), ``form`` (the token exchange form the case
 must take, ``MoEStats.exchange_form``), ``layer`` (MoE options), ``uneven`` (5, 0, 3, 7
@@ -16,6 +17,9 @@ which the guard never cuts: only factors >= ep, which never cut, are drawn).
 from __future__ import annotations
 
 import random
+import sys
+import time
+import traceback
 
 import torch
 
@@ -63,7 +67,7 @@ def draw(rng: random.Random) -> dict:
     layer = dict(k=k, num_experts=E, score_func=score, num_shared_experts=rng.choice([0, 1]),
                  activation=rng.choice(["gelu", "swiglu", "relu"]), bias=rng.choice([False, True]),
                  normalize_weights=rng.choice([None, True, False]), scaling_factor=rng.choice([1.0, 2.5]),
-                 expert_bias=rng.choice([False, True]), checkpoint_experts=rng.choice([False, True]),
+                 expert_bias=rng.choice([False, True]), recompute_experts=rng.choice([False, True]),
                  gemm_path=rng.choice(["auto", "loop", "bmm"] + grouped),
                  aux_loss=rng.choice([None, "switch"]), z_loss_coeff=rng.choice([0.0, 1e-3]))
     if E >= 8 and rng.random() < 0.3:   # k <= 4 <= topk_groups x E/num_groups
@@ -140,3 +144,25 @@ def check(case: dict, per_rank: list) -> None:
         assert r["weights"] == 0.0, f"{where}: the layers' weights differ"
         assert r["ref_dropped"] is None or r["dropped"] == r["ref_dropped"], \
             f"{where}: dropped {r['dropped']} vs {r['ref_dropped']}"
+
+
+def sweep(seconds: float, seed: int, world: int, cases: int | None = None, out=sys.stdout) -> tuple[int, int]:
+    """Random cases on ``world`` gloo ranks for ``seconds`` (or ``cases`` of them), each
+    printed with its error when it fails; (passed, failed)."""
+    from .multiproc import run_ranks
+    rng = random.Random(seed)
+    ok = bad = 0
+    t_end = time.time() + seconds
+    while time.time() < t_end and (cases is None or ok + bad < cases):
+        case = draw(rng)
+        tp, ep, etp = case["layout"]
+        if world % tp or world % (ep * etp):   # not a layout of this world
+            continue
+        try:
+            check(case, run_ranks(run_case, world, case))
+            ok += 1
+        except Exception as e:   # report the case and go on
+            bad += 1
+            print("FAIL", case, "".join(traceback.format_exception_only(type(e), e))[-1500:], file=out, flush=True)
+    print(f"sweep: {ok} cases passed, {bad} failed (seed {seed}, world {world})", file=out, flush=True)
+    return ok, bad

@@ -92,11 +92,11 @@ def test_single_token_and_empty_batch():
         y.sum().backward()
 
 
-def test_checkpoint_experts_gives_the_same_gradients():
+def test_recompute_experts_gives_the_same_gradients():
     x = torch.randn(11, D)
     grads = []
     for ckpt in (False, True):
-        moe = _layer(checkpoint_experts=ckpt, bias=True)
+        moe = _layer(recompute_experts=ckpt, bias=True)
         xx = x.clone().requires_grad_()
         (moe(xx) ** 2).sum().backward()
         grads.append([xx.grad] + [p.grad for p in moe.parameters()])

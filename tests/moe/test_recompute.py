@@ -20,7 +20,7 @@ from moepar.parallel.groups import ParallelState
 from ..helpers.multiproc import run_ranks
 
 D, T = 8, 12
-FLAVOURS = ["none", "non_reentrant", "reentrant", "checkpoint_experts"]
+FLAVOURS = ["none", "non_reentrant", "reentrant", "recompute_experts"]
 
 
 class Block(nn.Module):
@@ -31,7 +31,7 @@ class Block(nn.Module):
         self.proj = nn.Linear(D, D)
         torch.nn.init.normal_(self.proj.weight, std=0.3, generator=torch.Generator().manual_seed(3))
         self.moe = moepar.MoE(D, 4, state.ep_size, state=state, ffn_hidden=8, k=2, init_seed=5,
-                              checkpoint_experts=flavour == "checkpoint_experts", **kw)
+                              recompute_experts=flavour == "recompute_experts", **kw)
 
     def _inner(self, x):
         return x + self.moe(torch.tanh(self.proj(x)))

@@ -1,11 +1,22 @@
-"""The random sweep (scripts/sweep.py; its cases: tests/helpers/sweep_cases.py): every drawn case
-is a valid layer that must take its drawn exchange form, and a few fixed-seed cases pass."""
+"""The random sweep (its cases: tests/helpers/sweep_cases.py): every drawn case is a valid
+layer that must take its drawn exchange form, and a few fixed-seed cases pass. The timed
+random sweep itself is marked slow (left out of the default run):
+
+    python -m pytest -m slow tests/project/test_sweep.py -s --sweep-seconds 600 --sweep-seed 0 --sweep-world 4
+
+It draws cases (layouts (tp, ep, etp), the token exchange form each must take, router and
+expert options, capacities, the receive guard, nonzero expert biases, token counts 5, 0, 3,
+7 per replica or 6 each, fp32, float64 and bf16, hidden sizes, sequence parallelism), runs
+each on the world's gloo processes, and checks that the exchange took the drawn form and
+that outputs, input gradients, every weight gradient and the dropped-route counts match the
+single-process layer within tests/helpers/tolerances.py's tolerance of the case's dtype.
+Run it after changing the dispatcher, the router or the layouts."""
 import random
 
 import pytest
 
 from ..helpers.multiproc import run_ranks
-from ..helpers.sweep_cases import FORMS, build_config, check, draw, form_that_runs, run_case
+from ..helpers.sweep_cases import FORMS, build_config, check, draw, form_that_runs, run_case, sweep
 
 
 def test_fixed_seed_cases_pass():
@@ -50,3 +61,11 @@ def test_form_rules_name_the_fallbacks():
     with pytest.raises(ValueError, match="pad_to_capacity"):
         case["layer"].update(pad_to_capacity=True, capacity_factor=None)
         build_config(case)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(0)   # bounded by --sweep-seconds and each case's own rank timeout
+def test_random_sweep(request):
+    opt = request.config.getoption
+    passed, failed = sweep(opt("sweep_seconds"), opt("sweep_seed"), opt("sweep_world"), opt("sweep_cases"))
+    assert failed == 0 and passed > 0, f"{failed} of {passed + failed} sweep cases failed (printed above)"

@@ -1,4 +1,6 @@
-"""Lazy reads from (sharded) safetensors checkpoints, and saving an HF checkpoint.
+"""Hugging Face weights on disk (safetensors): lazy reads of (sharded) checkpoints, and
+saving one. Named apart from ``moepar.checkpoint`` (the training state through
+torch.distributed.checkpoint) and from activation recomputation (``recompute_experts``).
 
 ``SafetensorsCheckpoint(path)`` opens ``model.safetensors`` or the shards named by
 ``model.safetensors.index.json``, each with ``safe_open`` on first use; ``get(key, rows)``
