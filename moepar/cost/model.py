@@ -247,7 +247,7 @@ class CostLayout:
         if self.gpus % self.pp:
             raise ValueError(f"gpus={self.gpus} is not divisible by pp={self.pp}: every pipeline stage needs "
                              f"the same number of GPUs; valid pp: {', '.join(map(str, divisors(self.gpus)))}")
-        n, where = self.stage_size, ("gpus" if self.pp == 1 else "stage_size (gpus / pp)")
+        n, where = self.gpus // self.pp, ("gpus" if self.pp == 1 else "stage_size (gpus / pp)")
         if n % self.tp:
             raise ValueError(f"{where}={n} is not divisible by tp={self.tp}; "
                              f"valid tp: {', '.join(map(str, divisors(n)))}")
@@ -259,17 +259,15 @@ class CostLayout:
             raise ValueError(f"{where}={n} is not divisible by ep x etp = {self.ep} x {self.etp}; {hint}")
 
     @property
-    def stage_size(self) -> int:
-        """GPUs of one pipeline stage (all of them when pp = 1)."""
-        return self.gpus // self.pp
+    def ranks(self) -> Layout:
+        """The rank arithmetic of the parallel state itself (``moepar.parallel.layout``),
+        built after the checks above so that their messages speak of GPUs."""
+        return _layout(self.gpus, self.tp, self.ep, self.etp, self.pp)
 
-    @property
-    def dp(self) -> int:
-        return self.stage_size // self.tp
-
-    @property
-    def edp(self) -> int:
-        return self.stage_size // (self.ep * self.etp)
+    # GPUs of one pipeline stage (all of them when pp = 1), and the data-parallel sizes.
+    stage_size = property(lambda self: self.ranks.stage_size)
+    dp = property(lambda self: self.ranks.dp)
+    edp = property(lambda self: self.ranks.edp)
 
     @property
     def nodes(self) -> int:
@@ -303,10 +301,15 @@ class CostLayout:
 
 
 @functools.lru_cache(maxsize=4096)
+def _layout(gpus: int, tp: int, ep: int, etp: int, pp: int) -> Layout:
+    return Layout(gpus, tp, ep, etp, pp)
+
+
+@functools.lru_cache(maxsize=4096)
 def _placement(gpus: int, gpus_per_node: int, tp: int, ep: int, etp: int, pp: int, kind: str) -> Placement:
     if kind == "world":
         return Placement.contiguous(gpus // pp, gpus_per_node)
-    ranks = Layout(gpus, tp, ep, etp, pp).all_groups()[kind][0]
+    ranks = _layout(gpus, tp, ep, etp, pp).all_groups()[kind][0]
     return Placement.of_ranks(ranks, gpus_per_node)
 
 
