@@ -42,7 +42,7 @@ from ..parallel import comm, regions
 from ..parallel.groups import MoeTopology as Topology
 from . import counts_message as msg, cpu
 from .dedup import DEDUP_MAX_FRACTION, dedup_rows, group_dedups
-from .exchange import FORMS, Call, DedupMeta, Meta, PaddedMeta, Routes, SourceMajorMeta
+from .exchange import FORMS, Call, DedupMeta, Meta, PaddedMeta, Plan, Routes, SourceMajorMeta
 from .guard import GroupLoad, check_receive_capacity_factor, guard_drops, quotas
 
 __all__ = ["Dispatcher", "Dispatched"]
@@ -381,25 +381,6 @@ def raise_on_bad_input(host: torch.Tensor, topo: Topology, num_experts: int, own
                          f"the layer's block must pass the same hidden size and dtype")
     if (host[:, :E] < 0).any():
         raise ValueError(f"MoE forward: negative route counts received: {host[:, :E].tolist()}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Plan:
-    """What the counts exchange decided, the same on every rank of an EP group.
-
-    ``send``/``recv``: rows to / from each EP peer (dedup: token rows); ``counts_SL``: rows
-    per (source block, local expert) after the token and ETP exchanges, on the host and as a
-    device tensor (S = etp*P blocks, ETP peer-major); ``etp_sizes``: rows each ETP peer
-    received; ``tp_tokens``: every TP peer's token count; ``load``: the EP group's load."""
-
-    form: str
-    send: tuple[int, ...]
-    recv: tuple[int, ...]
-    counts_SL: torch.Tensor
-    counts_SL_dev: torch.Tensor
-    etp_sizes: tuple[int, ...] | None
-    tp_tokens: tuple[int, ...]
-    load: GroupLoad
 
 
 def decide(rows_dev: torch.Tensor, host: torch.Tensor, topo: Topology, num_experts: int,

@@ -24,7 +24,7 @@ The token all-to-all is issued without waiting (``comm.all_to_all_start``); the 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -35,9 +35,6 @@ from ..parallel.groups import MoeTopology as Topology
 from . import cpu, fp8
 from .dedup import dedup_expand, dedup_send
 from .guard import GroupLoad
-
-if TYPE_CHECKING:   # the dispatcher decides the plan and calls the forms
-    from .dispatcher import Plan
 
 During = Callable[[tuple[int, ...] | None], torch.Tensor] | None
 
@@ -67,6 +64,25 @@ class Routes:
     dropped_TK: torch.Tensor | None
     weights_TK: torch.Tensor
     token_sizes: tuple[int, ...] | None
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Plan:
+    """What the counts exchange decided, the same on every rank of an EP group.
+
+    ``send``/``recv``: rows to / from each EP peer (dedup: token rows); ``counts_SL``: rows
+    per (source block, local expert) after the token and ETP exchanges, on the host and as a
+    device tensor (S = etp*P blocks, ETP peer-major); ``etp_sizes``: rows each ETP peer
+    received; ``tp_tokens``: every TP peer's token count; ``load``: the EP group's load."""
+
+    form: str
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    counts_SL: torch.Tensor
+    counts_SL_dev: torch.Tensor
+    etp_sizes: tuple[int, ...] | None
+    tp_tokens: tuple[int, ...]
+    load: GroupLoad
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
