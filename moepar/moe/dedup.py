@@ -3,18 +3,66 @@
 Legend (docs/moe.md): T tokens, K routes per token, L local experts per rank, P EP ranks,
 R rows sent, M rows received. A token whose K routes go to fewer than K ranks is sent once to each
 (DeepEP's layout); a side message per row carries the token's weights and local expert ids
-at that rank. The dispatcher (``Dispatcher._dispatch_dedup``) moves the rows; this module
-holds the pure tensor work on either side and the group's decision.
+at that rank. ``DedupRows`` is the exchange form (``exchange.py`` has the others and the
+steps they share); below it, the pure tensor work on either side and the group's decision.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from moepar_kernels.permute import inverse_row_map, permute
+from moepar_kernels.permute import inverse_row_map, permute, unpermute
+
+from ..parallel import comm
+from .exchange import Call, During, Meta, Plan, Routes, combine_rows, run_during, start_rows, tokens_back
 
 # The "auto" threshold lives in a torch-free module so the cost model can read it; re-exported.
 from .dedup_policy import DEDUP_MAX_FRACTION
 
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DedupMeta(Meta):
+    row_map_TK: torch.Tensor             # [T, K] route -> sent row; -1: shares an earlier route's row
+    send: tuple[int, ...]
+    recv: tuple[int, ...]
+    row_map_MK: torch.Tensor             # [M, K] received row's routes -> x_local rows
+    weights_MK: torch.Tensor             # [M, K] their weights (in the graph)
+    token_sizes: tuple[int, ...] | None
+
+
+class DedupRows:
+    """One row per (token, destination rank), not per route (``dedup.py``). The sender
+    sends each token once to every rank that holds any of its experts, with a side message
+    per row ([rows, 2K] fp32: the weights and local expert ids of the token's routes to that
+    rank); the receiver expands the rows into its experts' rows (expert-major: no regroup)
+    and, in ``combine``, sums each row's expert outputs with its weights before the return
+    all-to-all; the sender then sums a token's returned rows. The weights' gradients flow
+    back through the side message's reverse all-to-all."""
+
+    def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
+        r, P, L = routes, call.topo.ep, call.L
+        x_RD, row_map_TK, side_R2K = dedup_send(r.x_TD, r.expert_ids_TK, r.dropped_TK, r.weights_TK, L, P,
+                                              num_rows=sum(plan.send))
+        group = call.topo.ep_group
+        x_recv, pending_x = start_rows(call, x_RD, plan.recv, plan.send)
+        side_M2K, pending_side = comm.all_to_all_start(side_R2K, group, plan.recv, plan.send, stats=call.stats)
+        extra = run_during(during, plan.tp_tokens)
+        x_recv, side_M2K = comm.wait_for(x_recv, pending_x), comm.wait_for(side_M2K, pending_side)
+        counts = tuple(plan.counts_SL.sum(0).tolist())
+        x_local, row_map_MK, w_MK = dedup_expand(x_recv, side_M2K, L, num_rows=sum(counts))
+        return x_local, DedupMeta(form="dedup", num_tokens=r.x_TD.shape[0], counts=counts,
+                                  counts_dev=plan.counts_SL_dev.sum(0), load=plan.load, tp_tokens=plan.tp_tokens,
+                                  row_map_TK=row_map_TK, send=plan.send, recv=plan.recv, row_map_MK=row_map_MK,
+                                  weights_MK=w_MK, token_sizes=r.token_sizes), extra
+
+    def combine(self, call: Call, y: torch.Tensor, meta: DedupMeta) -> torch.Tensor:
+        y = unpermute(y, meta.row_map_MK, meta.weights_MK, meta.row_map_MK.shape[0])
+        y = combine_rows(call, y, meta.send, meta.recv)
+        # The weights were applied on the receiver: the sender sums a token's rows with weight 1.
+        y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0])
+        return tokens_back(call, y, meta.token_sizes)
 
 def dedup_rows(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: int, P: int) -> torch.Tensor:
     """Rows per EP rank with dedup: the tokens with at least one kept route to the rank

@@ -41,11 +41,15 @@ from moepar_kernels.permute_index import check_permute_args
 from ..parallel import comm, regions
 from ..parallel.groups import MoeTopology as Topology
 from . import counts_message as msg, cpu
-from .dedup import DEDUP_MAX_FRACTION, dedup_rows, group_dedups
-from .exchange import FORMS, Call, DedupMeta, Meta, PaddedMeta, Plan, Routes, SourceMajorMeta
+from .dedup import DEDUP_MAX_FRACTION, DedupMeta, DedupRows, dedup_rows, group_dedups
+from .exchange import Call, Meta, Plan, RouteRows, Routes, SourceMajorMeta, SourceMajorRows
 from .guard import GroupLoad, check_receive_capacity_factor, guard_drops, quotas
+from .padded import PaddedMeta, PaddedRows
 
 __all__ = ["Dispatcher", "Dispatched"]
+
+# The exchange forms by name (exchange.py, dedup.py, padded.py); step 3 picks one.
+FORMS = {"rows": RouteRows(), "source_major": SourceMajorRows(), "dedup": DedupRows(), "padded": PaddedRows()}
 
 # dtypes are exchanged as small integer codes.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

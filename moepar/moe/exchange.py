@@ -14,9 +14,13 @@ dispatcher (``dispatcher.py``) picks the form from the counts exchange (``Dispat
   local expert (skipped when there is one block or one local expert: "direct");
 * ``SourceMajorRows``: the same rows left source-major for the experts (``cpu.py``: on gloo
   with CPU tensors only, opt-in: ``MoEConfig.cpu_source_major``);
-* ``DedupRows``: one row per token and destination rank plus a side message of weights and
-  local ids (``dedup.py``), expanded by the receiver;
-* ``PaddedRows``: capacity slots, every split equal and known without any exchange.
+* ``DedupRows`` (``dedup.py``): one row per token and destination rank plus a side message
+  of weights and local ids, expanded by the receiver;
+* ``PaddedRows`` (``padded.py``): capacity slots, every split equal and known without any
+  exchange.
+
+The last two are options, in files of their own built on the steps below (``start_rows``,
+``combine_rows``, ...); the dispatcher's ``FORMS`` names all four.
 
 The token all-to-all is issued without waiting (``comm.all_to_all_start``); the caller's
 ``during`` work (the shared experts) runs while it is in flight.
@@ -33,7 +37,6 @@ from moepar_kernels.permute import permute, unpermute
 from ..parallel import comm, regions
 from ..parallel.groups import MoeTopology as Topology
 from . import cpu, fp8
-from .dedup import dedup_expand, dedup_send
 from .guard import GroupLoad
 
 During = Callable[[tuple[int, ...] | None], torch.Tensor] | None
@@ -120,26 +123,7 @@ class SourceMajorMeta(Meta):
     segments: tuple[tuple[int, ...], list[int]]   # (local expert, rows) of each received block
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DedupMeta(Meta):
-    row_map_TK: torch.Tensor             # [T, K] route -> sent row; -1: shares an earlier route's row
-    send: tuple[int, ...]
-    recv: tuple[int, ...]
-    row_map_MK: torch.Tensor             # [M, K] received row's routes -> x_local rows
-    weights_MK: torch.Tensor             # [M, K] their weights (in the graph)
-    token_sizes: tuple[int, ...] | None
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class PaddedMeta(Meta):
-    row_map_TK: torch.Tensor             # [T, K] slot of each route, -1 dropped
-    weights_TK: torch.Tensor
-    capacity: int                        # C: slots per expert (a multiple of tp)
-    etp_sizes: tuple[int, ...] | None
-    regroup: tuple[torch.Tensor, torch.Tensor] | None
-
-
-class _PermuteRows(torch.autograd.Function):
+class PermuteRows(torch.autograd.Function):
     """x[idx] for a permutation idx; the backward applies the inverse permutation (a gather,
     not the scatter-add that index_select's generic backward would use)."""
 
@@ -174,7 +158,7 @@ def regroup_index(counts_SL: torch.Tensor, num_rows: int) -> tuple[torch.Tensor,
     return idx, torch.empty_like(idx).scatter_(0, idx, rows)
 
 
-def _start_rows(call: Call, x: torch.Tensor, recv, send):
+def start_rows(call: Call, x: torch.Tensor, recv, send):
     """Step 5's token all-to-all, issued without waiting; with FP8 dispatch the rows go as
     bytes and are dequantized when it is waited on."""
     if call.fp8:
@@ -190,10 +174,10 @@ def _send_routes(call: Call, r: "Routes", plan: Plan):
         return fp8.permute_all_to_all_start(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
                                             sum(plan.send), call.topo.ep_group, plan.recv, plan.send, call.stats)
     x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts, num_rows=sum(plan.send))
-    return (*_start_rows(call, x_ND, plan.recv, plan.send), row_map_TK)
+    return (*start_rows(call, x_ND, plan.recv, plan.send), row_map_TK)
 
 
-def _combine_rows(call: Call, y: torch.Tensor, send, recv) -> torch.Tensor:
+def combine_rows(call: Call, y: torch.Tensor, send, recv) -> torch.Tensor:
     """Step 9's all-to-all of the expert outputs back to their senders (its backward in FP8
     with ``combine_grad_dtype="fp8"``)."""
     if call.fp8_grad:
@@ -201,11 +185,11 @@ def _combine_rows(call: Call, y: torch.Tensor, send, recv) -> torch.Tensor:
     return comm.all_to_all(y, call.topo.ep_group, send, recv, stats=call.stats, empty=cpu.empty)
 
 
-def _run_during(during: During, tp_tokens) -> torch.Tensor | None:
+def run_during(during: During, tp_tokens) -> torch.Tensor | None:
     return None if during is None else during(tp_tokens)
 
 
-def _gather_etp(call: Call, x_recv: torch.Tensor, etp_sizes) -> torch.Tensor:
+def gather_etp(call: Call, x_recv: torch.Tensor, etp_sizes) -> torch.Tensor:
     """With expert TP every ETP rank computes a slice of the same experts on the rows of all
     its ETP peers: all-gather them (backward: reduce-scatter)."""
     if call.topo.etp == 1:
@@ -213,14 +197,14 @@ def _gather_etp(call: Call, x_recv: torch.Tensor, etp_sizes) -> torch.Tensor:
     return regions.gather_partial_grads(x_recv, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
 
 
-def _return_rows(call: Call, y: torch.Tensor, etp_sizes, send, recv) -> torch.Tensor:
+def return_rows(call: Call, y: torch.Tensor, etp_sizes, send, recv) -> torch.Tensor:
     """The ETP reduce-scatter of the partial outputs, then the all-to-all back to the senders."""
     if call.topo.etp > 1:
         y = regions.reduce_scatter_to_region(y, call.topo.etp_group, 0, etp_sizes, stats=call.stats)
-    return _combine_rows(call, y, send, recv)
+    return combine_rows(call, y, send, recv)
 
 
-def _tokens_back(call: Call, y_TD: torch.Tensor, token_sizes) -> torch.Tensor:
+def tokens_back(call: Call, y_TD: torch.Tensor, token_sizes) -> torch.Tensor:
     """Undo the TP share: all-gather every TP rank's tokens (backward: keep this share)."""
     if token_sizes is None:
         return y_TD
@@ -237,7 +221,7 @@ class RouteRows:
             n = r.expert_ids_TK.numel() if trusted and r.dropped_TK is None else None
             x_ND, counts_E, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
                                                  num_rows=n)
-            extra = _run_during(during, None)
+            extra = run_during(during, None)
             free = counts_E.device.type == "cpu" and not torch.compiler.is_compiling()   # a read costs nothing
             host = tuple(counts_E.tolist()) if free else None
             M = x_ND.shape[0]
@@ -247,8 +231,8 @@ class RouteRows:
                                   send=(M,), recv=(M,), etp_sizes=None, regroup=None,
                                   token_sizes=r.token_sizes), extra
         x_recv, pending, row_map_TK = _send_routes(call, r, plan)
-        extra = _run_during(during, plan.tp_tokens)
-        x_recv = _gather_etp(call, comm.wait_for(x_recv, pending), plan.etp_sizes)
+        extra = run_during(during, plan.tp_tokens)
+        x_recv = gather_etp(call, comm.wait_for(x_recv, pending), plan.etp_sizes)
         x_local, regroup = self._expert_major(x_recv, plan)
         return x_local, self._meta(call, r, plan, row_map_TK, regroup), extra
 
@@ -260,7 +244,7 @@ class RouteRows:
         if S == 1 or L == 1:   # already expert-major
             return x_recv, None
         regroup = regroup_index(plan.counts_SL_dev, x_recv.shape[0])
-        return _PermuteRows.apply(x_recv, *regroup), regroup
+        return PermuteRows.apply(x_recv, *regroup), regroup
 
     @staticmethod
     def _meta(call, r: Routes, plan: Plan, row_map_TK, regroup) -> RowsMeta:
@@ -273,10 +257,10 @@ class RouteRows:
     def combine(self, call: Call, y: torch.Tensor, meta: RowsMeta) -> torch.Tensor:
         if meta.regroup is not None:
             idx, inv = meta.regroup
-            y = _PermuteRows.apply(y, inv, idx)
-        y = _return_rows(call, y, meta.etp_sizes, meta.send, meta.recv)
+            y = PermuteRows.apply(y, inv, idx)
+        y = return_rows(call, y, meta.etp_sizes, meta.send, meta.recv)
         y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0])
-        return _tokens_back(call, y, meta.token_sizes)
+        return tokens_back(call, y, meta.token_sizes)
 
 
 class SourceMajorRows(RouteRows):
@@ -286,7 +270,7 @@ class SourceMajorRows(RouteRows):
     def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
         r = routes
         x_recv, pending, row_map_TK = _send_routes(call, r, plan)
-        extra = _run_during(during, plan.tp_tokens)
+        extra = run_during(during, plan.tp_tokens)
         x_recv = comm.wait_for(x_recv, pending)
         meta = SourceMajorMeta(form="source_major", num_tokens=r.x_TD.shape[0],
                                counts=tuple(plan.counts_SL.sum(0).tolist()), counts_dev=plan.counts_SL_dev.sum(0),
@@ -296,86 +280,6 @@ class SourceMajorRows(RouteRows):
         return x_recv, meta, extra
 
     def combine(self, call: Call, y: torch.Tensor, meta: SourceMajorMeta) -> torch.Tensor:
-        y = _combine_rows(call, y, meta.send, meta.recv)
+        y = combine_rows(call, y, meta.send, meta.recv)
         y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0])
-        return _tokens_back(call, y, meta.token_sizes)
-
-
-class DedupRows:
-    """One row per (token, destination rank), not per route (``dedup.py``). The sender
-    sends each token once to every rank that holds any of its experts, with a side message
-    per row ([rows, 2K] fp32: the weights and local expert ids of the token's routes to that
-    rank); the receiver expands the rows into its experts' rows (expert-major: no regroup)
-    and, in ``combine``, sums each row's expert outputs with its weights before the return
-    all-to-all; the sender then sums a token's returned rows. The weights' gradients flow
-    back through the side message's reverse all-to-all."""
-
-    def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
-        r, P, L = routes, call.topo.ep, call.L
-        x_RD, row_map_TK, side_R2K = dedup_send(r.x_TD, r.expert_ids_TK, r.dropped_TK, r.weights_TK, L, P,
-                                              num_rows=sum(plan.send))
-        group = call.topo.ep_group
-        x_recv, pending_x = _start_rows(call, x_RD, plan.recv, plan.send)
-        side_M2K, pending_side = comm.all_to_all_start(side_R2K, group, plan.recv, plan.send, stats=call.stats)
-        extra = _run_during(during, plan.tp_tokens)
-        x_recv, side_M2K = comm.wait_for(x_recv, pending_x), comm.wait_for(side_M2K, pending_side)
-        counts = tuple(plan.counts_SL.sum(0).tolist())
-        x_local, row_map_MK, w_MK = dedup_expand(x_recv, side_M2K, L, num_rows=sum(counts))
-        return x_local, DedupMeta(form="dedup", num_tokens=r.x_TD.shape[0], counts=counts,
-                                  counts_dev=plan.counts_SL_dev.sum(0), load=plan.load, tp_tokens=plan.tp_tokens,
-                                  row_map_TK=row_map_TK, send=plan.send, recv=plan.recv, row_map_MK=row_map_MK,
-                                  weights_MK=w_MK, token_sizes=r.token_sizes), extra
-
-    def combine(self, call: Call, y: torch.Tensor, meta: DedupMeta) -> torch.Tensor:
-        y = unpermute(y, meta.row_map_MK, meta.weights_MK, meta.row_map_MK.shape[0])
-        y = _combine_rows(call, y, meta.send, meta.recv)
-        # The weights were applied on the receiver: the sender sums a token's rows with weight 1.
-        y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0])
-        return _tokens_back(call, y, meta.token_sizes)
-
-
-class PaddedRows:
-    """Capacity slots: every expert gets C slots (the router's capacity rounded up to a
-    multiple of tp), empty slots zero, so every split is equal and known on every rank
-    without any exchange (no host read: a CUDA graph can capture it). The TP ranks split
-    each expert's slots ([E, C/tp, D] each) instead of the tokens. Every rank of the block
-    must route the same number of tokens (equal capacities), as Megatron-Core's and
-    DeepSpeed's padded all-to-alls assume."""
-
-    def dispatch(self, call: Call, x_TD, expert_ids_TK, dropped_TK, weights_TK, capacity: int,
-                 during: During = None):
-        topo, E, L, P, D = call.topo, call.num_experts, call.L, call.topo.ep, x_TD.shape[1]
-        C = -(-capacity // topo.tp) * topo.tp
-        x_ND, _, row_map_TK = permute(x_TD, expert_ids_TK, dropped_TK, E, capacity=C, num_rows=E * C)
-        if topo.tp > 1:
-            x_ND = regions.scatter_to_region(x_ND.view(E, C, D), topo.tp_group, 1, stats=call.stats).reshape(-1, D)
-        slots = C // topo.tp
-        split = (L * slots,) * P
-        x_recv, pending = _start_rows(call, x_ND, split, split)
-        extra = _run_during(during, None)
-        etp_sizes = (P * L * slots,) * topo.etp if topo.etp > 1 else None
-        x_recv = _gather_etp(call, comm.wait_for(x_recv, pending), etp_sizes)
-        S = topo.etp * P
-        regroup = None
-        if S > 1 and L > 1:
-            regroup = regroup_index(torch.full((S, L), slots, dtype=torch.int64, device=x_recv.device),
-                                    x_recv.shape[0])
-            x_recv = _PermuteRows.apply(x_recv, *regroup)
-        counts_dev = torch.full((L,), S * slots, dtype=torch.int64, device=x_recv.device)
-        return x_recv, PaddedMeta(form="padded", num_tokens=x_TD.shape[0], counts=(S * slots,) * L,
-                                  counts_dev=counts_dev, load=None, tp_tokens=None, row_map_TK=row_map_TK,
-                                  weights_TK=weights_TK, capacity=C, etp_sizes=etp_sizes, regroup=regroup), extra
-
-    def combine(self, call: Call, y: torch.Tensor, meta: PaddedMeta) -> torch.Tensor:
-        if meta.regroup is not None:
-            idx, inv = meta.regroup
-            y = _PermuteRows.apply(y, inv, idx)
-        split = (call.L * (meta.capacity // call.topo.tp),) * call.topo.ep
-        y = _return_rows(call, y, meta.etp_sizes, split, split)
-        if call.topo.tp > 1:   # gather every expert's slot slices back: [E, C, D]
-            y = regions.gather_from_region(y.view(call.num_experts, -1, y.shape[-1]), call.topo.tp_group, 1,
-                                           stats=call.stats).reshape(-1, y.shape[-1])
-        return unpermute(y, meta.row_map_TK, meta.weights_TK, meta.num_tokens)
-
-
-FORMS = {"rows": RouteRows(), "source_major": SourceMajorRows(), "dedup": DedupRows(), "padded": PaddedRows()}
+        return tokens_back(call, y, meta.token_sizes)

@@ -80,15 +80,15 @@ def _layer_pair(tp, ep, etp, kw, dtype, grad_fp8=False):
             moe.experts.register_forward_pre_hook(_fq_straight_through)
         x, g = moe_ref.replica_input(state.dp_rank, 6)
         x = x.clone().requires_grad_()
-        combine_rows = exchange._combine_rows
+        combine_rows = exchange.combine_rows
         if mode == "reference" and grad_fp8:
-            exchange._combine_rows = _combine_with_quantized_gradient(combine_rows)
+            exchange.combine_rows = _combine_with_quantized_gradient(combine_rows)
         try:
             with torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
                 y = moe(x)
             (y.float() * g).sum().backward()
         finally:
-            exchange._combine_rows = combine_rows
+            exchange.combine_rows = combine_rows
         ev = [(e.nbytes, e.backward) for e in moe.stats.comm.events if e.op == "all_to_all"]
         out[mode] = (y.detach().float(), x.grad.clone(), [p.grad.clone() for p in moe.parameters()], ev,
                      moe.stats.exchange_form)

@@ -6,7 +6,6 @@ FSDP2 hang has its own file (tests/parallel/test_fsdp_expert_tp.py), activation 
 How each was checked to fail on a build with the bug (a mutation made by hand, the test run,
 the mutation reverted) is in each test's docstring.
 """
-import os
 
 import pytest
 import torch

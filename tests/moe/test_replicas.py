@@ -6,7 +6,6 @@ gradients and every parameter after AdamW steps with rebalances between them mus
 (fp32, 1e-5), at ep2, ep4, tp2·ep2, ep2·etp2 and under FSDP2; a checkpoint saved at one R
 loads at another. The route split and the slot tables are checked against slow host
 references (``placement.split_counts``)."""
-import math
 import random
 import types
 

@@ -8,7 +8,6 @@ and the rows its expert-TP group gathered; the cost model prices the same table.
 import collections
 
 import pytest
-import torch
 import torch.distributed as dist
 
 from moepar.moe import counts_message
