@@ -105,10 +105,10 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
     """compare_layouts with the token exchange forced into one form (``mode``: a _PATHS key, or a
     list of keys, one per rank); returns (source-major used, regroup used, dedup used)
     with compare_layouts's results."""
-    from moepar.moe import cpu, exchange
+    from moepar.moe import cpu, dedup, exchange
     if isinstance(mode, list):
         mode = mode[dist.get_rank()]
-    old = (cpu.source_major_segments, exchange.regroup_index, exchange.dedup_send)
+    old = (cpu.source_major_segments, exchange.regroup_index, dedup.dedup_send)
     used = {"source": [], "regroup": [], "dedup": []}
 
     def counting(key, fn):
@@ -118,7 +118,7 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
         return wrapped
     cpu.source_major_segments = counting("source", old[0])
     exchange.regroup_index = counting("regroup", old[1])
-    exchange.dedup_send = counting("dedup", old[2])
+    dedup.dedup_send = counting("dedup", old[2])
     try:
         results = compare_layouts(tp, ep, etp, variants, uneven, {**(layer_kw or {}), **_PATHS[mode]}, *args)
         forms = {r["form"] for r in results}   # the layer's record agrees with what was called
@@ -126,7 +126,7 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
         assert bool(used["regroup"]) == bool(forms & {"regroup", "padded"}) or "padded" in forms, forms
         return bool(used["source"]), bool(used["regroup"]), bool(used["dedup"]), results
     finally:
-        cpu.source_major_segments, exchange.regroup_index, exchange.dedup_send = old
+        cpu.source_major_segments, exchange.regroup_index, dedup.dedup_send = old
 
 
 @pytest.mark.parametrize("mode", list(_PATHS))
