@@ -73,6 +73,7 @@ from ..moe.traffic import LayerShape, aux_group_name, layer_collectives
 from .collectives import Hardware, sent_bytes
 from .model import (DTYPE_BYTES, CostLayout, MoESpec, Params, Routes, check_fits, count_params, dedup_fraction,
                     routes_per_rank, wire_bytes)
+from .replication import expert_slice_params, replica_plan
 
 INT64 = 8
 FP32 = 4
@@ -179,7 +180,6 @@ def memory_per_rank(spec: MoESpec, layout: CostLayout, params: Params | None = N
     # received every forward and kept for the backward, plus their gradients in the backward.
     replica = 0.0
     if spec.redundant_experts:
-        from .replication import expert_slice_params, replica_plan
         replica = max(replica_plan(spec, layout).received) * expert_slice_params(spec, layout.etp) * pb
     return Memory((dense_w + exp_w) * pb, (dense_g + exp_g) * pb,
                   (dense_o + exp_o) * ADAM_BYTES_PER_PARAM,
@@ -237,7 +237,6 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
     # redundant experts the layer issues no replica all-to-all: nothing to plan or size.
     copies, expert_bytes = 0, 0.0
     if spec.redundant_experts:
-        from .replication import expert_slice_params, replica_plan
         copies = replica_plan(spec, layout).busiest_copies
         expert_bytes = expert_slice_params(spec, etp) * w.param
     aux_group = aux_group_name(spec.aux_scope, sp) if spec.aux_loss or spec.z_loss else None
@@ -492,19 +491,3 @@ def price_stage(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficie
     return StepCost(spec, layout, hw, params, routes, flops, memory,
                     layer_calls(spec, layout, hw, routes, a2a_algo, ar_algo),
                     step_calls(spec, layout, hw, params, ar_algo), compute_efficiency)
-
-
-def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float | None = None,
-              a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
-    """Check the layout against the model, then price everything for one step.
-    ``compute_efficiency`` defaults to DEFAULT_COMPUTE_EFFICIENCY on a preset's peak FLOP
-    rate and to 1.0 on a calibrated profile, whose rate is a measured matmul rate."""
-    if compute_efficiency is None:
-        compute_efficiency = 1.0 if hw.calibrated else DEFAULT_COMPUTE_EFFICIENCY
-    if not 0 < compute_efficiency <= 1:
-        raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] "
-                         f"(the fraction of the peak FLOP rate reached)")
-    if layout.pp > 1:
-        from .pipeline import pipeline_cost
-        return pipeline_cost(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)
-    return price_stage(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)

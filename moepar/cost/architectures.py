@@ -4,9 +4,8 @@
 returns keyword arguments of ``moepar.cost.MoESpec`` (the model only, no ``tokens`` or
 layout). The families and how each reads are one table, ``moepar.hf.catalog`` (shared with
 the layer conversion of ``moepar.hf``); the cost model prices those whose ``unpriced`` is
-None (``PRICED``, listed here as ``MODEL_TYPES``) and names the reason for the others. The
-table is read for ``--hf-config`` only: ``--model`` takes ``MODELS``, the fields of each
-public configuration written out. What each reads:
+None (``PRICED``) and names the reason for the others; ``--model``'s presets (``MODELS``) are
+public config.json fields read the same way. What each reads:
 
 - dense layers: DeepSeek/GLM ``first_k_dense_replace`` and ``moe_layer_freq`` (layer i is
   MoE when i >= k and i % freq == 0); Qwen ``decoder_sparse_step`` and ``mlp_only_layers``
@@ -26,10 +25,9 @@ from __future__ import annotations
 
 import json
 
-# moepar.hf.catalog's PRICED, written out so that the --hf-config help does not load the
-# table (a test keeps the two equal)
-MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe", "deepseek_v2", "olmoe",
-               "granitemoe", "gpt_oss")
+from ..hf.catalog import FAMILIES, PRICED
+
+MODEL_TYPES = PRICED
 
 
 def _get(config: dict, *keys, default=None):
@@ -59,7 +57,6 @@ def _moe_layer_flags(config: dict, rule: str | None, layers: int) -> list[bool]:
 
 def spec_fields(config: dict) -> dict:
     """``MoESpec`` keyword arguments for a Hugging Face config (a parsed config.json)."""
-    from ..hf.catalog import FAMILIES
     mt = config.get("model_type")
     if mt not in MODEL_TYPES:
         why = f" ({FAMILIES[mt].unpriced})" if mt in FAMILIES else ""
@@ -131,31 +128,43 @@ def spec_fields_from_file(path: str) -> dict:
     return spec_fields(load_config(path))
 
 
-# ``--model`` name -> ``MoESpec`` fields: what ``spec_fields`` reads from each model's public
-# config.json (tests/data has them in full; a test keeps both in step). Sources: each model's
-# Hugging Face repository.
-MODELS: dict[str, dict] = {
-    "mixtral-8x7b": dict(hidden=4096, layers=32, heads=32, vocab=32000, gated=True, tie_embeddings=False,
-                         experts=8, topk=2, ffn=14336, dense_layers=0, kv_heads=8),
-    "mixtral-8x22b": dict(hidden=6144, layers=56, heads=48, vocab=32000, gated=True, tie_embeddings=False,
-                          experts=8, topk=2, ffn=16384, dense_layers=0, kv_heads=8),
-    "deepseek-v3": dict(hidden=7168, layers=61, heads=128, vocab=129280, gated=True, tie_embeddings=False,
-                        experts=256, topk=8, ffn=2048, dense_layers=3, dense_ffn=18432, kv_lora_rank=512,
-                        q_lora_rank=1536, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, shared_experts=1,
-                        router_bias=True, mtp_layers=1),
-    "deepseek-v2-lite": dict(hidden=2048, layers=27, heads=16, vocab=102400, gated=True, tie_embeddings=False,
-                             experts=64, topk=6, ffn=1408, dense_layers=1, dense_ffn=10944, kv_lora_rank=512,
-                             q_lora_rank=None, qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128,
-                             shared_experts=2),
-    "qwen3-30b-a3b": dict(hidden=2048, layers=48, heads=32, vocab=151936, gated=True, tie_embeddings=False,
-                          experts=128, topk=8, ffn=768, dense_layers=0, kv_heads=4, head_dim=128,
-                          qk_norm="head"),
-    "qwen3-235b-a22b": dict(hidden=4096, layers=94, heads=64, vocab=151936, gated=True, tie_embeddings=False,
-                            experts=128, topk=8, ffn=1536, dense_layers=0, kv_heads=4, head_dim=128,
-                            qk_norm="head"),
-    "olmoe-1b-7b": dict(hidden=2048, layers=16, heads=16, vocab=50304, gated=True, tie_embeddings=False,
-                        experts=64, topk=8, ffn=1024, dense_layers=0, kv_heads=16, qk_norm="full"),
-    "gpt-oss-120b": dict(hidden=2880, layers=36, heads=64, vocab=201088, gated=True, tie_embeddings=False,
-                         experts=128, topk=4, ffn=2880, dense_layers=0, kv_heads=8, head_dim=64,
-                         attn_bias="all", attn_sinks=True, router_bias=True, expert_bias=True),
+# The fields of the public config.json files that shape each preset (tests/data has them in
+# full; a test keeps both in step). Sources: each model's Hugging Face repository.
+PRESET_CONFIGS = {
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_local_experts=8,
+                         num_experts_per_tok=2, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=32000),
+    "mixtral-8x22b": dict(model_type="mixtral", hidden_size=6144, intermediate_size=16384, num_local_experts=8,
+                          num_experts_per_tok=2, num_hidden_layers=56, num_attention_heads=48,
+                          num_key_value_heads=8, vocab_size=32000),
+    "deepseek-v3": dict(model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1,
+                        num_experts_per_tok=8, num_hidden_layers=61, first_k_dense_replace=3,
+                        num_attention_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
+                        qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, num_nextn_predict_layers=1),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
+                             moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
+                             num_experts_per_tok=6, num_hidden_layers=27, first_k_dense_replace=1,
+                             num_attention_heads=16, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128,
+                             qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                          num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, vocab_size=151936),
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", hidden_size=4096, moe_intermediate_size=1536, num_experts=128,
+                            num_experts_per_tok=8, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, vocab_size=151936),
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_experts=64,
+                        num_experts_per_tok=8, num_hidden_layers=16, num_attention_heads=16,
+                        num_key_value_heads=16, vocab_size=50304),
+    "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=128,
+                         num_experts_per_tok=4, num_hidden_layers=36, num_attention_heads=64,
+                         num_key_value_heads=8, head_dim=64, vocab_size=201088, attention_bias=True),
 }
+
+
+def presets() -> dict[str, dict]:
+    """``--model`` name -> ``MoESpec`` fields."""
+    return {name: spec_fields(cfg) for name, cfg in PRESET_CONFIGS.items()}
+
+
+MODELS = presets()   # public model shapes for ``--model``, from their config.json fields

@@ -229,13 +229,13 @@ def _counts_from_file(text: str, experts: int) -> tuple[float, ...]:
 # ---- report ---------------------------------------------------------------------------
 
 def _report(a: argparse.Namespace) -> int:
-    from .accounting import step_cost
+    from .pipeline import step_cost
     from .report import build_report, plot_png, render_markdown, render_text, to_json
     for path, flag in ((a.markdown, "--markdown"), (a.json, "--json"), (a.png, "--png")):
         check_output_path(path, flag)
     hw = hardware_from_args(a)
     # the default 1f1b runs one stage per rank (vp 1): the schedules are asked for the others
-    vp = a.vp if a.vp is not None else 1 if a.schedule == "1f1b" else default_vp(a.schedule)
+    vp = a.vp if a.vp is not None else default_vp(a.schedule)
     layout = CostLayout(a.gpus, hw.gpus_per_node, a.tp, a.ep, a.etp, a.sp, a.zero, a.pp, vp, a.schedule)
     spec = spec_from_args(a, layout.ep)
     for w in layout.warnings():

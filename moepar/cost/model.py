@@ -237,8 +237,7 @@ class CostLayout:
     def __post_init__(self) -> None:
         _positive(gpus=self.gpus, gpus_per_node=self.gpus_per_node, tp=self.tp, ep=self.ep, etp=self.etp,
                   pp=self.pp, vp=self.vp)
-        if (self.vp, self.schedule) != (1, "1f1b"):   # the default, one stage per rank, breaks no rule
-            check_pipeline(self.pp, self.vp, self.schedule)
+        check_pipeline(self.pp, self.vp, self.schedule)
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:

@@ -179,3 +179,18 @@ def pipeline_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_effic
     params = dataclasses.replace(c.params, total=model_params.total, active=model_params.active,
                                  mtp=model_params.mtp)
     return dataclasses.replace(c, memory=costs[big].memory, flops=flops, params=params, pipeline=info)
+
+
+def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float | None = None,
+              a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
+    """Check the layout against the model, then price everything for one step.
+    ``compute_efficiency`` defaults to DEFAULT_COMPUTE_EFFICIENCY on a preset's peak FLOP
+    rate and to 1.0 on a calibrated profile, whose rate is a measured matmul rate."""
+    if compute_efficiency is None:
+        compute_efficiency = 1.0 if hw.calibrated else DEFAULT_COMPUTE_EFFICIENCY
+    if not 0 < compute_efficiency <= 1:
+        raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] "
+                         f"(the fraction of the peak FLOP rate reached)")
+    if layout.pp > 1:
+        return pipeline_cost(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)
+    return price_stage(spec, layout, hw, compute_efficiency, a2a_algo, ar_algo)

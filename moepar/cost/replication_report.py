@@ -3,7 +3,8 @@ receive cap, expert-TP and a larger EP group). Torch-free; arithmetic in ``repli
 from __future__ import annotations
 
 from ..tables import fmt_bytes, fmt_time, format_table
-from .accounting import StepCost, calls_per_step, step_cost
+from .accounting import StepCost, calls_per_step
+from .pipeline import step_cost
 from .model import layout_imbalance, wire_bytes
 from .replication import expert_slice_params, receive_cap_drops, replica_plan
 

@@ -25,7 +25,8 @@ import math
 from typing import Sequence
 
 from ..tables import fmt_bytes, fmt_count, fmt_rate, fmt_time, format_table
-from .accounting import StepCost, step_cost
+from .accounting import StepCost
+from .pipeline import step_cost
 from .collectives import Hardware, Link, Placement, sent_bytes
 from .model import CostLayout, MoESpec, layout_imbalance
 

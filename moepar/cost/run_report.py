@@ -35,7 +35,8 @@ import dataclasses
 from typing import Iterable
 
 from ..tables import fmt_bytes, fmt_time, format_table
-from .accounting import calls_per_step, step_cost
+from .accounting import calls_per_step
+from .pipeline import step_cost
 from .collectives import Hardware, Placement
 from .model import CostLayout, MoESpec, dedup_fraction, wire_bytes
 from .pipeline import check_stages, stage_cost

@@ -9,7 +9,8 @@ import math
 
 from .. import checks
 from ..tables import fmt_bytes, fmt_time, format_table
-from .accounting import StepCost, step_cost
+from .accounting import StepCost
+from .pipeline import step_cost
 from .collectives import Hardware
 from .model import CostLayout, MoESpec, divisors
 from .schedules import check_pipeline

@@ -6,7 +6,7 @@ import pytest
 
 from moepar.__main__ import main
 from moepar.cost import cli, cli_measure
-from moepar.cost.accounting import step_cost
+from moepar.cost.pipeline import step_cost
 from moepar.cost.collectives import get_hardware
 from moepar.cost.model import CostLayout, MoESpec
 from moepar.cost.report import build_report, render_markdown

@@ -5,7 +5,8 @@ import math
 
 import pytest
 
-from moepar.cost.accounting import count_flops, layer_calls, memory_per_rank, step_calls, step_cost
+from moepar.cost.accounting import count_flops, layer_calls, memory_per_rank, step_calls
+from moepar.cost.pipeline import step_cost
 from moepar.cost.architectures import MODELS
 from moepar.cost.collectives import get_hardware
 from moepar.cost.model import CostLayout, MoESpec, check_fits, count_params, imbalance_from_counts, routes_per_rank

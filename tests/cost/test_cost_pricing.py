@@ -3,7 +3,8 @@ dtypes, the two overlap bounds, MFU, and what ``recommend`` ranks first for publ
 models (from the model's own pricing: no rule forces a layout)."""
 import pytest
 
-from moepar.cost.accounting import layer_calls, step_calls, step_cost
+from moepar.cost.accounting import layer_calls, step_calls
+from moepar.cost.pipeline import step_cost
 from moepar.cost.architectures import MODELS
 from moepar.cost.collectives import get_hardware
 from moepar.cost.model import CostLayout, MoESpec, count_params

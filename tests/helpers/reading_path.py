@@ -4,13 +4,14 @@ A newcomer reads the default forward (or the cost report) by following the calls
 whose functions run are the files to read. ``traced_files(fn)`` runs ``fn`` under
 ``sys.setprofile`` and returns those files (paths from the repository root, package
 ``__init__``/``__main__`` modules, ``moepar/_lazy.py`` (the packages' lazy imports) and module
-bodies run at import left out: they only import and dispatch), in first-call order.
+and class bodies run at import left out: they only import and dispatch), in first-call order.
 
 ``python -m tests.helpers.reading_path forward|report`` prints the list with each file's lines
 (forward: a dropless top-2 layer at ep = 2 on two gloo ranks, after one warm-up call).
 """
 from __future__ import annotations
 
+import inspect
 import os
 import sys
 
@@ -23,7 +24,8 @@ def traced_files(fn, *args, **kwargs) -> list[str]:
     seen: dict[str, None] = {}
 
     def prof(frame, event, arg):
-        if event == "call" and frame.f_code.co_name != "<module>":   # imports are not reading
+        # Functions only: module and class bodies (run once, at import) are not reading.
+        if event == "call" and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
             path = frame.f_code.co_filename
             if path.startswith(_DIRS) and os.path.basename(path) not in _GLUE and path not in seen:
                 seen[path] = None
