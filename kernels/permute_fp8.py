@@ -59,6 +59,9 @@ def packed_width(D: int) -> int:
 
 
 if triton is not None:
+    # The kernel's copies of the two limits: compiled Triton reads only constexpr globals.
+    _E4M3_MAX_C = tl.constexpr(E4M3_MAX)
+    _MIN_SCALE_C = tl.constexpr(MIN_SCALE)
 
     @triton.jit
     def _e4m3_bits(y):
@@ -103,15 +106,15 @@ if triton is not None:
         bad = (x != x) | (ax == float("inf"))
         n_bad = tl.sum(bad.to(tl.int32), axis=1)
         amax = tl.max(tl.where(bad, 0.0, ax), axis=1)
-        scale = tl.maximum(tl.math.div_rn(amax, E4M3_MAX), MIN_SCALE)
+        scale = tl.maximum(tl.math.div_rn(amax, _E4M3_MAX_C), _MIN_SCALE_C)
         scale = tl.where(amax > 0, scale, 1.0)
         scale = tl.where(n_bad > 0, float("nan"), scale)
         y = tl.math.div_rn(x, scale[:, None])
-        y = tl.minimum(tl.maximum(y, -E4M3_MAX), E4M3_MAX)
+        y = tl.minimum(tl.maximum(y, -_E4M3_MAX_C), _E4M3_MAX_C)
         y = tl.where(n_bad[:, None] > 0, 0.0, y)
         out = rows[:, None] * stride_out + c[None, :]
         tl.store(bytes_ptr + out, _e4m3_bits(y).to(tl.uint8), mask=row_ok[:, None] & c_ok[None, :])
-        bits = scale.to(tl.int32, bitcast=True)
+        bits = tl.where(n_bad > 0, 0x7FC00000, scale.to(tl.int32, bitcast=True))   # torch's NaN, not the GPU's
         at = bytes_ptr + rows * stride_out + D + 4 * b
         for j in tl.static_range(4):
             tl.store(at + j, ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=row_ok)
@@ -127,7 +130,9 @@ def quantize_reference(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = x.view(N, B, BLOCK)
     bad = ~torch.isfinite(blocks).all(-1)
     amax = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(-1)
-    scale = torch.where(amax > 0, (amax / E4M3_MAX).clamp(min=MIN_SCALE), 1.0)
+    # a tensor divisor: CUDA computes ``tensor / python_float`` as a product with the
+    # reciprocal, which is not the kernel's correctly rounded quotient
+    scale = torch.where(amax > 0, (amax / torch.full_like(amax, E4M3_MAX)).clamp(min=MIN_SCALE), 1.0)
     scale = torch.where(bad, float("nan"), scale)
     y = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     q = torch.where(bad[..., None], 0.0, y).to(FP8)
