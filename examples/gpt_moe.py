@@ -212,7 +212,7 @@ class GPT(nn.Module):
                  top_k: int = 20, seed: int = 0) -> torch.Tensor:
         """Sample ``new_tokens`` bytes after ``prompt`` [1, S]. Every rank runs it with the
         same seed (the layers' collectives need all ranks) and gets the same tokens."""
-        gen = torch.Generator().manual_seed(seed)
+        gen = torch.Generator(device=prompt.device).manual_seed(seed)   # multinomial draws on the logits' device
         idx = prompt
         for _ in range(new_tokens):
             window = idx[:, -self.cfg.context:]
