@@ -39,6 +39,8 @@ CASES = [
     ("ep2 padded (capacity 2.0)", 2, 1, 2, 1, {"capacity_factor": 2.0, "pad_to_capacity": True}),
     ("ep2 dedup=on", 2, 1, 2, 1, {"dedup": "on"}),
     ("ep1 tp1 (world of one)", 1, 1, 1, 1, {}),
+    ("ep1 tp1 capacity 1.0 (drops)", 1, 1, 1, 1, {"capacity_factor": 1.0}),
+    ("ep2 capacity 1.0 (drops)", 2, 1, 2, 1, {"capacity_factor": 1.0}),
     ("tp2·ep2", 4, 2, 2, 1, {}),
     ("tp2·ep2 sequence parallel", 4, 2, 2, 1, {"sequence_parallel": True}),
     ("ep4", 4, 1, 4, 1, {}),

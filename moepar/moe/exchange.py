@@ -211,6 +211,21 @@ def tokens_back(call: Call, y_TD: torch.Tensor, token_sizes) -> torch.Tensor:
     return regions.gather_from_region(y_TD, call.topo.tp_group, 0, token_sizes, stats=call.stats)
 
 
+def _alone_rows(r: Routes, num_experts: int, trusted: bool, free: bool) -> tuple[int | None, tuple | None]:
+    """(the permute's rows, the experts' host counts) for a rank alone, where known without
+    a wait. Router ids with drops on an accelerator: one read of the kept counts gives both
+    (else the permute reads its histogram and the experts their counts: two waits)."""
+    if trusted and r.dropped_TK is None:
+        return r.expert_ids_TK.numel(), None
+    if not trusted or free or torch.compiler.is_compiling():
+        return None, None
+    kept = (~r.dropped_TK).reshape(-1).long()
+    kept_E = torch.zeros(num_experts, dtype=torch.int64, device=kept.device).scatter_add_(
+        0, r.expert_ids_TK.reshape(-1), kept)
+    host = tuple(comm.read_to_host(kept_E).tolist())
+    return sum(host), host
+
+
 class RouteRows:
     """One row per kept route, expert-major after a regroup of the received blocks."""
 
@@ -218,12 +233,12 @@ class RouteRows:
                  trusted: bool = False):
         r = routes
         if plan is None:   # this rank alone (no exchange): the permute's own counts
-            n = r.expert_ids_TK.numel() if trusted and r.dropped_TK is None else None
+            free = r.x_TD.device.type == "cpu" and not torch.compiler.is_compiling()   # a read costs nothing
+            n, host = _alone_rows(r, call.num_experts, trusted, free)
             x_ND, counts_E, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
                                                  num_rows=n)
             extra = run_during(during, None)
-            free = counts_E.device.type == "cpu" and not torch.compiler.is_compiling()   # a read costs nothing
-            host = tuple(counts_E.tolist()) if free else None
+            host = tuple(counts_E.tolist()) if free else host
             M = x_ND.shape[0]
             load_PE = counts_E.view(1, -1)   # one rank: its load (read only if a user asks for figures)
             return x_ND, RowsMeta(form="direct", num_tokens=r.x_TD.shape[0], counts=host, counts_dev=counts_E,
