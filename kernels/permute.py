@@ -20,7 +20,9 @@ vectorised over D with an inner loop over D chunks, int64 offsets, fp32 arithmet
   routes, fp32 accumulation. It is the unpermute forward and (w = 1) the permute backward.
 
 ``permute``/``unpermute`` are ``torch.library.custom_op``s (namespace ``moepar``) with fake
-and autograd registrations for ``torch.compile`` (checked with ``torch.library.opcheck``). ``impl="auto"`` runs the
+and autograd registrations for ``torch.compile`` (checked with ``torch.library.opcheck``); in
+eager mode the same functions run as autograd Functions (``eager.py``: less host time per
+call). ``impl="auto"`` runs the
 kernels on CUDA and the torch reference elsewhere; ``impl="triton"`` forces the kernels
 (tests, under the interpreter), ``impl="reference"`` forces torch.
 """
@@ -32,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from . import interpreter
+from .eager import both
 from .permute_index import check_permute_args, check_unpermute_args, inverse_row_map, route_index
 
 try:
@@ -306,8 +309,7 @@ def _combine(src_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optiona
 
 # ---- custom ops -----------------------------------------------------------------------------
 
-@torch.library.custom_op("moepar::permute", mutates_args=())
-def _permute_op(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
+def _permute_impl(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
                 num_experts: int, capacity: Optional[int], num_rows: Optional[int], impl: str
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     K = expert_ids_TK.shape[1]
@@ -317,6 +319,9 @@ def _permute_op(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Opt
     else:
         x_ND = _gather_reference(x_TD, route_N, K, dense=capacity is None)
     return x_ND, counts_E, row_map_TK
+
+
+_permute_op = torch.library.custom_op("moepar::permute", mutates_args=())(_permute_impl)
 
 
 @_permute_op.register_fake
@@ -343,19 +348,23 @@ def _permute_backward(ctx, grad_x_ND, grad_counts, grad_row_map):
     (row_map_TK,) = ctx.saved_tensors
     grad_x = None
     if grad_x_ND is not None:
-        grad_x = _unpermute_op(grad_x_ND, row_map_TK, None, ctx.num_tokens, ctx.impl)
+        unpermute = _unpermute_call if getattr(ctx, "eager", False) else _unpermute_op
+        grad_x = unpermute(grad_x_ND, row_map_TK, None, ctx.num_tokens, ctx.impl)
     return grad_x, None, None, None, None, None, None
 
 
 _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
+_permute_call = both(_permute_op, _permute_impl, _permute_setup, _permute_backward)
 
 
-@torch.library.custom_op("moepar::unpermute", mutates_args=())
-def _unpermute_op(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
+def _unpermute_impl(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
                   num_tokens: int, impl: str) -> torch.Tensor:
     if _use_triton(y_ND, impl):
         return _combine(y_ND, row_map_TK, weights_TK)
     return _combine_reference(y_ND, row_map_TK, weights_TK, num_tokens)
+
+
+_unpermute_op = torch.library.custom_op("moepar::unpermute", mutates_args=())(_unpermute_impl)
 
 
 @_unpermute_op.register_fake
@@ -373,17 +382,18 @@ def _unpermute_setup(ctx, inputs, output):
 
 def _unpermute_backward(ctx, grad_TD):
     row_map_TK, weights_TK, y_ND = ctx.saved_tensors
-    grad_y, grad_w = _unpermute_bwd_op(grad_TD.contiguous(), y_ND, row_map_TK, weights_TK,
+    backward = _unpermute_bwd_call if getattr(ctx, "eager", False) else _unpermute_bwd_op
+    grad_y, grad_w = backward(grad_TD.contiguous(), y_ND, row_map_TK, weights_TK,
                                        ctx.num_rows, ctx.dtype, ctx.impl)
     grad_w = grad_w.to(weights_TK.dtype) if (y_ND is not None and ctx.has_weights) else None
     return grad_y, None, grad_w, None, None
 
 
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
+_unpermute_call = both(_unpermute_op, _unpermute_impl, _unpermute_setup, _unpermute_backward)
 
 
-@torch.library.custom_op("moepar::unpermute_backward", mutates_args=())
-def _unpermute_bwd_op(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], row_map_TK: torch.Tensor,
+def _unpermute_bwd_impl(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], row_map_TK: torch.Tensor,
                       weights_TK: Optional[torch.Tensor], num_rows: int, dtype: torch.dtype, impl: str
                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_y_ND, grad_weights_TK fp32; empty when y_ND is None)."""
@@ -399,6 +409,10 @@ def _unpermute_bwd_op(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], row_m
     if grad_w is None:
         grad_w = grad_TD.new_empty(0, dtype=torch.float32)
     return grad_y, grad_w
+
+
+_unpermute_bwd_op = torch.library.custom_op("moepar::unpermute_backward", mutates_args=())(_unpermute_bwd_impl)
+_unpermute_bwd_call = both(_unpermute_bwd_op, _unpermute_bwd_impl)
 
 
 @_unpermute_bwd_op.register_fake
@@ -432,7 +446,7 @@ def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optiona
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
     check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
-    return _permute_op(x_TD, expert_ids_TK, dropped_TK, int(num_experts), capacity, num_rows, impl)
+    return _permute_call(x_TD, expert_ids_TK, dropped_TK, int(num_experts), capacity, num_rows, impl)
 
 
 def unpermute(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
@@ -446,4 +460,4 @@ def unpermute(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
     check_unpermute_args(y_ND, row_map_TK, weights_TK, num_tokens)
-    return _unpermute_op(y_ND, row_map_TK, weights_TK, int(num_tokens), impl)
+    return _unpermute_call(y_ND, row_map_TK, weights_TK, int(num_tokens), impl)

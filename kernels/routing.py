@@ -25,6 +25,7 @@ from typing import Optional
 import torch
 
 from . import interpreter
+from .eager import both
 
 try:
     import triton
@@ -192,11 +193,13 @@ def _launch(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Opt
     return ids_TK, weights_TK, hist_PE.sum(0, dtype=torch.int64)
 
 
-@torch.library.custom_op("moepar::routing", mutates_args=())
-def _routing_op(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
+def _routing_impl(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
                 normalize: bool, scaling_factor: float, block_t: int, num_warps: int
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _launch(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, block_t, num_warps)
+
+
+_routing_op = torch.library.custom_op("moepar::routing", mutates_args=())(_routing_impl)
 
 
 @_routing_op.register_fake
@@ -221,6 +224,7 @@ def _backward(ctx, grad_ids, grad_weights_TK, grad_hist):
 
 
 _routing_op.register_autograd(_backward, setup_context=_setup_context)
+_routing_call = both(_routing_op, _routing_impl, _setup_context, _backward)
 
 
 def routing_backward(logits_TE: torch.Tensor, ids_TK: torch.Tensor, grad_weights_TK: torch.Tensor,
@@ -270,7 +274,7 @@ def routing(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
         raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16")
     if expert_bias_E is not None:
         expert_bias_E = expert_bias_E.float()
-    return _routing_op(logits_TE, k, score_func, expert_bias_E, bool(normalize), float(scaling_factor),
+    return _routing_call(logits_TE, k, score_func, expert_bias_E, bool(normalize), float(scaling_factor),
                        int(block_t or 0), int(num_warps or 0))
 
 

@@ -1,0 +1,55 @@
+"""The kernels' custom ops called in eager mode through a plain autograd Function.
+
+``torch.library.custom_op`` is what makes ``permute``, ``unpermute`` and ``routing``
+traceable by ``torch.compile``; an eager call of one also pays its Python dispatch
+(argument defaults, the autograd wrapper, a redispatch to the backend). On a GPU host that
+costs as much as the launch it wraps (measured on an H200: docs/benchmarks.md, "First GPU
+run"). ``both(op, impl, setup_context, backward)`` gives one callable: under torch.compile
+the registered op, otherwise an autograd Function running the same three functions the op
+registers, so the two paths compute, save and differentiate alike. A backward that calls
+another op reads ``ctx.eager`` (set on the Function's path only) to stay on its path: a
+traced graph never meets the Function.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+
+def tracing() -> bool:
+    """torch.compile / export, or a make_fx trace (fake or proxy tensors): take the ops."""
+    if torch.compiler.is_compiling():
+        return True
+    get, keys = getattr(torch._C, "_get_dispatch_mode", None), getattr(torch._C, "_TorchDispatchModeKey", None)
+    return get is not None and keys is not None and (get(keys.FAKE) is not None or get(keys.PROXY) is not None)
+
+
+def both(op: Callable, impl: Callable, setup_context: Callable | None = None,
+         backward: Callable | None = None) -> Callable:
+    """``op`` while torch.compile traces, else ``impl`` as an autograd Function with the
+    op's ``setup_context``/``backward`` (None: not differentiable, a plain call)."""
+    if backward is None:
+        def call(*args):
+            return op(*args) if tracing() else impl(*args)
+        return call
+
+    class Fn(torch.autograd.Function):
+        @staticmethod
+        def forward(*inputs):
+            return impl(*inputs)
+
+        @staticmethod
+        def setup_context(ctx, inputs, output):
+            ctx.eager = True
+            setup_context(ctx, inputs, output)
+
+        @staticmethod
+        def backward(ctx, *grads):
+            return backward(ctx, *grads)
+
+    Fn.__name__ = Fn.__qualname__ = f"{impl.__name__.strip('_')}_eager"
+
+    def call(*args):
+        return op(*args) if tracing() else Fn.apply(*args)
+    return call
