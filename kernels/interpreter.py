@@ -21,8 +21,15 @@ def _version(text: str) -> tuple[int, ...]:
     return tuple(parts)
 
 
+# Read once, at import: ``triton.jit`` decides when our kernels are defined (at import)
+# whether they are interpreted, so a later change would not change what runs; and no
+# launch reads the environment.
+_ACTIVE = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def active() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
+    return _ACTIVE
 
 
 def incompatibility(triton_version: str, numpy_version: str) -> str | None:
