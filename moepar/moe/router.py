@@ -5,9 +5,10 @@ B sequences (per-sequence aux loss), G expert groups.
 
 The gate linear runs in fp32 whatever the input dtype. Scores, top-k, weight
 normalisation and the route histogram come from ``moepar_kernels.routing`` (one Triton
-launch on CUDA, its torch reference elsewhere); capacity drops and the aux / z losses are
-computed here in torch. Capacity and drops always use this rank's tokens only; the aux and
-z statistics cover this rank's tokens, or the union over ``stats_group`` when given.
+launch on CUDA, its torch reference elsewhere); the aux / z losses are computed here in
+torch, capacity drops (an option) in ``capacity.py``. Capacity and drops always use this
+rank's tokens only; the aux and z statistics cover this rank's tokens, or the union over
+``stats_group`` when given.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from moepar import checks
 from moepar.parallel import comm, regions
 from moepar_kernels import routing as _rk
 
+from .capacity import drop_beyond_capacity
 from .layer_options import copy_local   # a DTensor (FSDP2) keeps its own shard
 from .recompute import Record, rng_replayed, rng_state
 
@@ -220,33 +222,6 @@ class RouterConfig:
         return num_tokens // self.seq_len
 
 
-def capacity_drops(expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor, bad_T: torch.Tensor,
-                   capacity: int, policy: str, num_experts: int) -> torch.Tensor:
-    """[T, K] bool: routes beyond ``capacity`` per expert. Routes are ranked per expert by
-    weight ("probs") or by arrival ("position"); arrival order is slot-major (every
-    token's first choice, in token order, before any second choice), which also breaks
-    ties for "probs". Routes of non-finite tokens rank last so they never displace others."""
-    T, K = expert_ids_TK.shape
-    N = T * K
-    ids_N = expert_ids_TK.t().reshape(-1)
-    bad_N = bad_T.repeat(K)
-    if policy == "probs":
-        w_N = weights_TK.detach().t().reshape(-1)
-        w_N = torch.where(bad_N, torch.full_like(w_N, float("-inf")), w_N)
-        order_N = torch.sort(w_N, descending=True, stable=True).indices
-    else:
-        order_N = torch.sort(bad_N.to(torch.int32), stable=True).indices
-    # Group the priority order by expert (stable), then rank within each expert.
-    by_expert = torch.sort(ids_N[order_N], stable=True)
-    route_N = order_N[by_expert.indices]
-    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_N.device).scatter_add_(
-        0, ids_N, torch.ones_like(ids_N))
-    start_E = torch.cumsum(counts_E, 0) - counts_E
-    rank_N = torch.arange(N, device=ids_N.device) - start_E[by_expert.values]
-    keep_N = torch.empty(N, dtype=torch.bool, device=ids_N.device).scatter_(0, route_N, rank_N < capacity)
-    return ~keep_N.view(K, T).t()
-
-
 class TopKRouter(nn.Module):
     """Top-k gate: fp32 linear ``[E, D]`` (+ optional bias), scores, top-k, drops, losses.
 
@@ -417,22 +392,9 @@ class TopKRouter(nn.Module):
         if capacity is None:
             dropped_TK = torch.zeros_like(ids_TK, dtype=torch.bool)
             kept_E = hist_E
-        else:
-            if replay is not None:
-                dropped_TK = replay.dropped_TK
-            elif cfg.expert_capacity is not None and cfg.seq_len is not None:
-                # Per-sequence slots (Switch Transformers' expert_capacity): sequence b's
-                # routes to expert e rank in their own bin b*E + e, [T, K] ids in [0, B*E).
-                seq_T = torch.arange(T, device=ids_TK.device) // cfg.seq_len
-                bins_TK = ids_TK + (seq_T * E)[:, None]
-                dropped_TK = capacity_drops(bins_TK, w_TK, bad_T, cfg.expert_capacity, cfg.drop_policy,
-                                            E * cfg.sequences(T))
-            else:
-                dropped_TK = capacity_drops(ids_TK, w_TK, bad_T, capacity, cfg.drop_policy, E)
-            # Dropped routes weigh 0, except a non-finite token's, which stay NaN.
-            w_TK = torch.where(dropped_TK & ~bad_T[:, None], torch.zeros_like(w_TK), w_TK)
-            kept_E = torch.zeros(E, dtype=torch.int64, device=ids_TK.device).scatter_add_(
-                0, ids_TK.reshape(-1), (~dropped_TK).reshape(-1).long())
+        else:   # an option: the drops live in capacity.py
+            dropped_TK, w_TK, kept_E = drop_beyond_capacity(cfg, ids_TK, w_TK, bad_T, capacity,
+                                                            None if replay is None else replay.dropped_TK)
         aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group, comm_stats)
         if self.training and cfg.expert_bias and count:
             with torch.no_grad():
@@ -471,12 +433,15 @@ class TopKRouter(nn.Module):
                               .scatter_add_(1, ids_TK.reshape(B, L * K), ones).reshape(-1))
         if z_on:
             diff.append((torch.logsumexp(logits_TE, dim=-1) ** 2).sum().reshape(1))
-        counts.append(logits_TE.new_full((1,), T, dtype=torch.int64))   # a fill: no host data copied
-        diff_sum, count_sum = torch.cat(diff), torch.cat(counts)
-        if comm.group_size(group) > 1:
-            diff_sum = regions.reduce_from_region(diff_sum, group, stats=comm_stats)   # 4 * len (E, or B*E, +1)
-            count_sum = comm.all_reduce_(count_sum, group, stats=comm_stats)        # 8 * len
-        tokens = count_sum[-1].clamp_min(1).float()
+        if comm.group_size(group) > 1:   # one message each for the sums and the counts
+            counts.append(logits_TE.new_full((1,), T, dtype=torch.int64))   # a fill: no host data copied
+            diff_sum = regions.reduce_from_region(torch.cat(diff), group, stats=comm_stats)  # 4 * len (E, or B*E, +1)
+            count_sum = comm.all_reduce_(torch.cat(counts), group, stats=comm_stats)       # 8 * len
+            tokens = count_sum[-1].clamp_min(1).float()
+        else:   # this rank's tokens alone: T is known, and no concatenation (each op a launch on a GPU)
+            diff_sum = diff[0] if len(diff) == 1 else torch.cat(diff)
+            count_sum = counts[0] if counts else None
+            tokens = float(max(T, 1))
         aux = z = zero
         if z_on:
             z = cfg.z_loss_coeff * diff_sum[-1] / tokens

@@ -103,6 +103,7 @@ class Recorder:
         self.events: list[Event] = []
         self.collective_records: list[Collective] = []
         self.triton_launches: list[tuple[str, str]] = []   # (kernel name, phase)
+        self.device_op_records: list[tuple[str, str]] = []  # (aten op issued on the device, phase)
         self.violations: list[str] = []
         self.current_phase = "other"
         self._lock = threading.Lock()
@@ -168,6 +169,13 @@ class Recorder:
         with self._lock:
             self.collective_records.append(rec)
 
+    def add_device_op(self, name: str) -> None:
+        """An aten op that a GPU would run as a kernel or a copy (views and allocations are
+        not): what the host pays to issue, op by op."""
+        if self.recording:
+            with self._lock:
+                self.device_op_records.append((name, self.current_phase))
+
     def add_launch(self, name: str) -> None:
         if self.recording:
             with self._lock:
@@ -204,6 +212,10 @@ class Recorder:
 
     def launches(self, phase: str | None = None) -> list[str]:
         return [n for n, p in self.triton_launches if phase is None or p == phase]
+
+    def device_ops(self, phase: str | None = None) -> list[str]:
+        """The aten ops issued on the device in ``phase`` (Triton launches apart: ``launches``)."""
+        return [n for n, p in self.device_op_records if phase is None or p == phase]
 
     def phases(self) -> list[str]:
         seen: dict[str, None] = {}

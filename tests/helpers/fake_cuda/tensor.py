@@ -112,6 +112,15 @@ SYNC_OPS = {
 SCALAR_VALUE_OPS = {"masked_fill", "masked_fill_", "index_fill", "index_fill_"}
 INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
 COPY_OPS = {"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "copy"}
+# Ops that launch nothing on a GPU: views, metadata, allocations (the caching allocator).
+NO_KERNEL_OPS = {"view", "_unsafe_view", "t", "detach", "expand", "as_strided", "reshape", "transpose", "permute",
+                 "slice", "select", "unsqueeze", "squeeze", "alias", "split", "split_with_sizes", "unbind",
+                 "narrow", "_reshape_alias", "lift_fresh", "empty", "empty_strided", "empty_like", "new_empty",
+                 "new_empty_strided", "set_", "resize_", "is_pinned", "_pin_memory", "view_as_real",
+                 "view_as_complex", "_has_compatible_shallow_copy_type", "is_same_size", "sym_size", "sym_stride",
+                 "sym_numel", "sym_storage_offset", "_local_scalar_dense", "record_stream", "movedim", "unflatten",
+                 "flatten", "chunk", "contiguous", "expand_as", "view_as", "squeeze_", "unsqueeze_", "t_",
+                 "transpose_", "as_strided_", "detach_"}
 # Ops that may take CPU tensors next to CUDA ones on a real GPU.
 MIX_ALLOWED = COPY_OPS | INDEX_OPS | {"lift_fresh", "lift_fresh_copy", "tensor_split", "set_",
                                       "_has_compatible_shallow_copy_type", "is_same_size",
@@ -257,6 +266,8 @@ def dispatch(func, args, kwargs, rec, mode):
         return custom(*args, **kwargs)
     if rec is not None:
         _classify(func, name, args, kwargs, flat, fakes, rec)
+        if (fakes or (dev is not None and dev.type == "cuda")) and name not in NO_KERNEL_OPS:
+            rec.add_device_op(name)
     # Which device the result lives on, as CUDA would place it.
     if name == "_to_copy":
         on_cuda = dev.type == "cuda" if dev is not None else isinstance(args[0], FakeCudaTensor)
