@@ -181,7 +181,6 @@ LAYER_CASES = [   # (name, MoE options): world of one, every expert local
 
 
 def _layers(opts: dict, hidden: int, experts: int, ffn: int, dtype=None):
-    import torch
     from tests.helpers.moe_ref import build
     cpu = build(None, hidden=hidden, num_experts=experts, ffn_hidden=ffn, **opts)
     gpu = copy.deepcopy(cpu).to(DEV)

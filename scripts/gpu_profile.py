@@ -18,6 +18,22 @@ import gpu_check as gc  # noqa: E402
 from gpu_check import SYNC_CALLS, record, sz  # noqa: E402
 
 
+def timed(fn, n: int, warmup: int = 3) -> tuple[float, float]:
+    """(host seconds to issue one call, wall seconds per call until the device is done),
+    over ``n`` calls after ``warmup``."""
+    import torch
+    sync = torch.cuda.synchronize if gc.DEV == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t0) / n
+    sync()
+    return host, (time.perf_counter() - t0) / n
+
+
 def section_profile() -> None:
     """The bench's configs A/B-bf16 (T 4096, D 512/256, ...) on the GPU: the step's device
     time against the host's time to issue it, the kernels launched, and the ops that cost
@@ -26,21 +42,15 @@ def section_profile() -> None:
     from torch.profiler import ProfilerActivity, profile
     from tests.helpers.moe_ref import build
     sync = torch.cuda.synchronize if gc.DEV == "cuda" else (lambda: None)
-    for name, (T, D, F, E, K) in {"A-bf16": (sz(4096, 64), sz(512, 32), sz(2048, 32), 8, 2), "B-bf16": (sz(4096, 64), sz(256, 32), sz(256, 32), 64, 8)}.items():
+    configs = {"A-bf16": (sz(4096, 64), sz(512, 32), sz(2048, 32), 8, 2),
+               "B-bf16": (sz(4096, 64), sz(256, 32), sz(256, 32), 64, 8)}
+    for name, (T, D, F, E, K) in configs.items():
         moe = build(None, hidden=D, num_experts=E, ffn_hidden=F, k=K).to(gc.DEV).to(torch.bfloat16)
         x = torch.randn(T, D, device=gc.DEV, dtype=torch.bfloat16, requires_grad=True)
 
         def step():
             moe(x).sum().backward()
-        for _ in range(3):
-            step()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(20):
-            step()
-        host = (time.perf_counter() - t0) / 20
-        sync()
-        wall = (time.perf_counter() - t0) / 20
+        host, wall = timed(step, 20)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             step()
             sync()
@@ -59,15 +69,7 @@ def section_profile() -> None:
     from moepar_kernels import routing as rk
     for E, k in ((8, 2), (256, 8)):
         logits = torch.randn(sz(65536, 64), E, device=gc.DEV)
-        for _ in range(3):
-            rk.routing(logits, k)
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            rk.routing(logits, k)
-        host = (time.perf_counter() - t0) / 50
-        sync()
-        wall = (time.perf_counter() - t0) / 50
+        host, wall = timed(lambda: rk.routing(logits, k), 50)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             rk.routing(logits, k)
             sync()
@@ -84,17 +86,8 @@ def section_profile() -> None:
         def pair(pf=pf, uf=uf):
             x_ND, _, rm = pf(xr, ids, None, 8, None, ids.numel(), "auto")
             uf(x_ND, rm, w, xr.shape[0], "auto").sum().backward()
-        times = []
-        for _ in range(3):
-            for _ in range(3):
-                pair()
-            sync()
-            t0 = time.perf_counter()
-            for _ in range(50):
-                pair()
-            sync()
-            times.append((time.perf_counter() - t0) / 50 * 1e6)
-        record(f"permute+unpermute fwd+bwd via {label}", True, f"{min(times):.1f} us a pair (best of 3 x 50)")
+        best = min(timed(pair, 50)[1] for _ in range(3))
+        record(f"permute+unpermute fwd+bwd via {label}", True, f"{best * 1e6:.1f} us a pair (best of 3 x 50)")
 
 
 def section_hostprof() -> None:
@@ -127,15 +120,7 @@ def section_hostprof() -> None:
     from moepar_kernels import permute as pm
 
     def per_call(f, n=200):
-        for _ in range(5):
-            f()
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            f()
-        host = (time.perf_counter() - t0) / n
-        sync()
-        return host * 1e6
+        return timed(f, n, warmup=5)[0] * 1e6
     logits = torch.randn(sz(4096, 64), 8, device=gc.DEV)
     xr = torch.randn(sz(4096, 64), sz(512, 32), device=gc.DEV, dtype=torch.bfloat16)
     ids, w, _ = rk.routing_reference(logits, 2)
