@@ -20,7 +20,7 @@ __version__ = "0.1.0"
 
 # public name -> the module defining it (":attr" where the module calls it otherwise)
 _NAMES = {
-    "MoE": ".moe.layer", "MoEStats": ".moe.layer", "aux_loss": ".moe.layer",
+    "MoE": ".moe.layer", "MoEStats": ".moe.stats", "aux_loss": ".moe.layer",
     "MoEConfig": ".moe.config",
     "RouterConfig": ".moe.router", "Routing": ".moe.router", "TopKRouter": ".moe.router",
     "GroupedExperts": ".moe.experts",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..moe.counts_message import message_bytes
+from ..moe.config import MoEConfig, RouterConfig
 from ..moe.dispatcher import Dispatcher
 from .calibrate import row_pass_seconds
 from .validate import Row, ValidationContext, register_row_source
@@ -37,8 +38,8 @@ def moe_dispatch_rows(ctx: ValidationContext) -> list[Row]:
     fns, cases = [], []
     for n in ctx.group_sizes:
         E = LOCAL_EXPERTS * n
-        disp = Dispatcher(E, ep_group=ctx.groups[n])
         for T, D in (QUICK_CASES if ctx.quick else CASES):
+            disp = Dispatcher(MoEConfig(D, E, n, router=RouterConfig(D, E, k=TOPK)), ep_group=ctx.groups[n])
             x = torch.randn(T, D, dtype=ctx.dtype, device=ctx.device)
             ids = _routing(T, E, seed=1000 * rank + T + D).to(ctx.device)
             w = torch.full((T, TOPK), 1.0 / TOPK, device=ctx.device)

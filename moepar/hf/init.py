@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from moepar.moe.experts import _expert_seed
-from moepar.moe.layer_options import copy_local
+from moepar.parallel.fsdp import copy_local
 
 from . import families
 from .modules import HFExperts, canonical_local

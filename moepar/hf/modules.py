@@ -30,9 +30,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from moepar.moe.experts import GATED, GroupedExperts
-from moepar.moe.layer import MoE, SharedExperts
-from moepar.moe.layer_options import copy_local
+from moepar.moe.activations import GATED
+from moepar.moe.experts import GroupedExperts
+from moepar.moe.layer import MoE
+from moepar.moe.layer_options import SharedExperts
+from moepar.parallel.fsdp import copy_local
 from moepar.moe.router import TopKRouter
 
 from . import families

@@ -136,3 +136,9 @@ def clamped_swiglu_reference(h1: torch.Tensor, h3: torch.Tensor, limit: float = 
     shared experts' path)."""
     g = h1.clamp(max=limit)
     return (h3.clamp(-limit, limit) + 1) * g * torch.sigmoid(g * alpha)
+
+
+# The experts' activations: built in ("clamped_swiglu": GPT-OSS) and this module's elementwise
+# ones, plain ("gelu_tanh", ...) and gated ("glu_gelu", ...).
+ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu") + PLAIN_NAMES + GATED_NAMES
+GATED = ("swiglu", "clamped_swiglu") + GATED_NAMES   # activations with an up projection (w3/b3)

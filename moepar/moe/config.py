@@ -1,8 +1,9 @@
-"""``MoEConfig``: every option of the MoE layer, validated and documented in one place.
+"""``MoEConfig`` and the ``RouterConfig`` it nests: every option of the MoE layer, validated
+and documented in one place (the components read them; nothing validates them again).
 
 ``MoE(hidden, num_experts, ep_size, config=None, **options)`` only fills this object: each
 keyword option is routed by name, to ``MoEConfig`` when it is one of its fields, else to
-the nested ``RouterConfig`` (see ``moepar.moe.router``) when it is one of that one's, else
+the nested ``RouterConfig`` (its options' meaning: ``moepar.moe.router.TopKRouter``) when it is one of that one's, else
 it is refused with the list of valid names. A new ``RouterConfig`` field therefore works
 through ``MoE(...)`` with no edit here. A name both configs have (``bias``: the experts'
 FFN biases here, the gate's there) goes to ``MoEConfig``; set the router's through
@@ -16,10 +17,149 @@ from typing import Any, Optional
 import torch
 
 from .. import checks
-from .experts import ACTIVATIONS
+from .activations import ACTIVATIONS
 from .experts_fn import GEMM_PATHS
 from .guard import check_receive_capacity_factor
-from .router import RouterConfig
+from moepar_kernels import routing as _rk
+
+SCORE_FUNCS = ("softmax", "softmax_after_topk", "sigmoid")
+NOISY_GATE_POLICIES = (None, "jitter", "rsample")
+DROP_POLICIES = ("probs", "position")
+AUX_LOSSES = (None, "switch", "seq")
+NONFINITE = ("raise", "propagate")
+GROUP_SCORES = ("sum_topn", "max")
+AUX_LOSS_CONVENTIONS = ("moepar", "hf")
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterConfig:
+    """Every router option, validated once (see ``TopKRouter`` for their meaning)."""
+    hidden: int
+    num_experts: int
+    k: int = 2
+    score_func: str = "softmax"
+    normalize_weights: Optional[bool] = None
+    scaling_factor: float = 1.0
+    bias: bool = False
+    expert_bias: bool = False
+    num_groups: Optional[int] = None
+    topk_groups: Optional[int] = None
+    group_score: str = "sum_topn"
+    group_score_topn: Optional[int] = None
+    noisy_gate_policy: Optional[str] = None
+    noise_eps: float = 1e-2
+    capacity_factor: Optional[float] = None
+    eval_capacity_factor: Optional[float] = None
+    min_capacity: int = 4
+    drop_policy: str = "probs"
+    pad_to_capacity: bool = False
+    expert_capacity: Optional[int] = None
+    aux_loss: Optional[str] = "switch"
+    aux_loss_coeff: float = 1e-2
+    aux_loss_convention: str = "moepar"
+    seq_len: Optional[int] = None
+    z_loss_coeff: float = 0.0
+    nonfinite: str = "raise"
+    use_kernel: Optional[bool] = None
+    init_seed: Optional[int] = None
+    init_std: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        checks.positive_int("hidden", self.hidden)
+        checks.positive_int("num_experts", self.num_experts)
+        E, k = self.num_experts, self.k
+        checks.int_at_least("k", k, 1)
+        if k > E:
+            raise ValueError(f"k={k} must be <= num_experts={E}")
+        checks.one_of("score_func", self.score_func, SCORE_FUNCS)
+        checks.one_of("normalize_weights", self.normalize_weights, (None, True, False))
+        checks.finite("scaling_factor", self.scaling_factor, above=0)
+        if (self.num_groups is None) != (self.topk_groups is None):
+            raise ValueError(f"num_groups={self.num_groups} and topk_groups={self.topk_groups}: "
+                             f"group-limited routing needs both (or neither)")
+        if self.num_groups is not None:
+            checks.positive_int("num_groups", self.num_groups)
+            checks.positive_int("topk_groups", self.topk_groups)
+            if E % self.num_groups:
+                raise ValueError(f"num_experts={E} is not divisible by num_groups={self.num_groups}")
+            if self.topk_groups > self.num_groups:
+                raise ValueError(f"topk_groups={self.topk_groups} must be <= num_groups={self.num_groups}")
+            reachable = self.topk_groups * (E // self.num_groups)
+            if k > reachable:
+                raise ValueError(f"k={k} must be <= topk_groups={self.topk_groups} x experts per group "
+                                 f"{E // self.num_groups} = {reachable}")
+        checks.one_of("group_score", self.group_score, GROUP_SCORES)
+        if self.group_score_topn is not None:
+            checks.positive_int("group_score_topn", self.group_score_topn)
+            if self.group_score == "max":
+                raise ValueError(f"group_score_topn={self.group_score_topn} goes with group_score='sum_topn'; "
+                                 f"group_score='max' scores a group by its largest affinity")
+            if self.num_groups is not None and self.group_score_topn > E // self.num_groups:
+                raise ValueError(f"group_score_topn={self.group_score_topn} must be <= experts per group "
+                                 f"{E // self.num_groups} (num_experts={E} / num_groups={self.num_groups})")
+        checks.one_of("noisy_gate_policy", self.noisy_gate_policy, NOISY_GATE_POLICIES)
+        if not (isinstance(self.noise_eps, (int, float)) and 0 < self.noise_eps < 1):
+            raise ValueError(f"noise_eps={self.noise_eps!r} must be in (0, 1)")
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            if getattr(self, name) is not None:
+                checks.finite(name, getattr(self, name), above=0)
+        checks.int_at_least("min_capacity", self.min_capacity, 0)
+        checks.one_of("drop_policy", self.drop_policy, DROP_POLICIES)
+        if self.expert_capacity is not None:
+            checks.positive_int("expert_capacity", self.expert_capacity)
+            if self.capacity_factor is not None or self.eval_capacity_factor is not None:
+                raise ValueError(f"expert_capacity={self.expert_capacity} (absolute slots) and capacity_factor="
+                                 f"{self.capacity_factor} / eval_capacity_factor={self.eval_capacity_factor} "
+                                 f"(relative) are exclusive: set one")
+            if self.seq_len is not None:
+                checks.positive_int("seq_len", self.seq_len)
+        if (self.pad_to_capacity and self.capacity_factor is None and self.eval_capacity_factor is None
+                and self.expert_capacity is None):
+            raise ValueError("pad_to_capacity=True needs a capacity_factor (or eval_capacity_factor, or "
+                             "expert_capacity): dropless routing has no capacity to pad to")
+        checks.one_of("aux_loss", self.aux_loss, AUX_LOSSES)
+        checks.finite("aux_loss_coeff", self.aux_loss_coeff, at_least=0)
+        checks.one_of("aux_loss_convention", self.aux_loss_convention, AUX_LOSS_CONVENTIONS)
+        checks.finite("z_loss_coeff", self.z_loss_coeff, at_least=0)
+        if self.aux_loss == "seq":
+            if self.seq_len is None:
+                raise ValueError("aux_loss='seq' needs seq_len (tokens per sequence on this rank)")
+            checks.positive_int("seq_len", self.seq_len)
+        checks.one_of("nonfinite", self.nonfinite, NONFINITE)
+        checks.one_of("use_kernel", self.use_kernel, (None, True, False))
+        if self.use_kernel is True:
+            reason = self.kernel_gap()
+            if reason:
+                raise ValueError(f"use_kernel=True but the routing kernel does not cover {reason}")
+        if self.init_seed is not None and not checks.is_int(self.init_seed):
+            raise ValueError(f"init_seed={self.init_seed!r} must be an integer or None")
+        if self.init_std is not None:
+            checks.finite("init_std", self.init_std, above=0)
+
+    def kernel_gap(self, training: bool = True) -> str:
+        """Why the Triton kernel cannot serve this config ("" when it can); rsample noise
+        only matters in training."""
+        if _rk.triton is None:
+            return "this machine (triton is not installed)"
+        if self.num_groups is not None:
+            return f"group-limited routing (num_groups={self.num_groups})"
+        if self.noisy_gate_policy == "rsample" and training:
+            return "noisy_gate_policy='rsample'"
+        if self.num_experts > _rk.MAX_EXPERTS:
+            return f"num_experts={self.num_experts} > {_rk.MAX_EXPERTS}"
+        if self.k > _rk.MAX_K:
+            return f"k={self.k} > {_rk.MAX_K}"
+        return ""
+
+    def sequences(self, num_tokens: int) -> int:
+        """Sequences of ``seq_len`` among ``num_tokens`` (1 without seq_len); ValueError if
+        the tokens are not a whole number of sequences."""
+        if self.seq_len is None:
+            return 1
+        if num_tokens % self.seq_len:
+            raise ValueError(f"{num_tokens} tokens are not a whole number of sequences of seq_len={self.seq_len}")
+        return num_tokens // self.seq_len
+
 
 DEDUP_MODES = ("off", "auto", "on")
 DISPATCH_DTYPES = (None, "fp8")

@@ -14,10 +14,12 @@ so with no further collective it knows
 * whether any rank of the block has a bad input: every rank then raises, nobody waits.
 
 This row is also what the forward reads back to the host, once (``comm.read_to_host``):
-one all-gather of ``block`` rows of ``width(E, P)`` int64, ``message_bytes`` in nccl-tests'
+one all-gather of ``block`` rows of ``columns(E, P).width`` int64, ``message_bytes`` in nccl-tests'
 all-gather size convention (the gathered bytes), which the cost model prices.
 """
 from __future__ import annotations
+
+import dataclasses
 
 INT64_BYTES = 8
 
@@ -39,22 +41,24 @@ FIELDS = (
 DEVICE_FIELDS = ("nonfinite_input", "nonfinite_logits", "bad_ids", "routes", "dedup_rows")
 
 
-def width(num_experts: int, ep: int) -> int:
-    """int64 columns of one row: E counts, the metadata, P dedup rows (one per EP peer)."""
-    return num_experts + len(FIELDS) + ep
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """Where each part of one row lies for E experts and P EP peers: what a sender fills and
+    every reader indexes (a dispatcher computes it once; its forward only indexes)."""
+
+    num_experts: int
+    width: int                 # int64 columns of a row: E counts, the metadata, P dedup rows
+    field: dict[str, int]      # metadata field name -> its column
+    dedup: slice               # the P columns of rows sent to each EP peer with dedup
 
 
-def column(name: str, num_experts: int) -> int:
-    """Column index of metadata field ``name`` in a row."""
-    return num_experts + FIELDS.index(name)
-
-
-def dedup_columns(num_experts: int, ep: int) -> slice:
-    """The P columns of rows sent to each EP peer with dedup."""
+def columns(num_experts: int, ep: int) -> Columns:
+    """The row's columns for ``num_experts`` counts and ``ep`` EP peers."""
     start = num_experts + len(FIELDS)
-    return slice(start, start + ep)
+    return Columns(num_experts, start + ep, {name: num_experts + i for i, name in enumerate(FIELDS)},
+                   slice(start, start + ep))
 
 
 def message_bytes(num_experts: int, ep: int, block: int) -> int:
     """Bytes of the counts all-gather over a block of ``block`` ranks (the gathered rows)."""
-    return block * width(num_experts, ep) * INT64_BYTES
+    return block * columns(num_experts, ep).width * INT64_BYTES

@@ -43,7 +43,8 @@ from ..parallel.groups import MoeTopology as Topology
 from . import counts_message as msg, cpu
 from .dedup import DEDUP_MAX_FRACTION, DedupMeta, DedupRows, dedup_rows, group_dedups
 from .exchange import Call, Meta, Plan, RouteRows, Routes, SourceMajorMeta, SourceMajorRows
-from .guard import GroupLoad, check_receive_capacity_factor, guard_drops, quotas
+from .config import MoEConfig
+from .guard import GroupLoad, guard_drops, quotas
 from .padded import PaddedMeta, PaddedRows
 
 __all__ = ["Dispatcher", "Dispatched"]
@@ -73,47 +74,31 @@ class Dispatched:
 class Dispatcher:
     """Moves routes to the ranks that own their experts and back.
 
-    Groups: ``state`` (a ParallelState, read at every call; ``sequence_parallel=True``: the
-    TP ranks' tokens are their own, so no TP share), or an explicit ``ep_group`` alone
-    (None = one rank). Global expert g lives on EP rank ``g // L`` as its local expert
-    ``g % L``. ``dedup``: "off" | "auto" | "on" (``dedup.py``); ``receive_capacity_factor``:
-    None, or f >= 1: no rank receives more than ceil(f x mean) rows (``guard.py``);
-    ``source_major``: on gloo with CPU tensors, let the experts take the received rows
-    source-major (``cpu.py``); ``padded``: capacity mode (``dispatch`` gets the capacity);
-    ``dispatch_fp8``: the dispatch all-to-all's rows in FP8 with block scales (``fp8.py``);
-    ``combine_grad_fp8``: the combine's gradient, sent to the experts' ranks, in FP8 too.
-    ``stats`` receives every collective's event.
+    ``Dispatcher(config, state, stats)``: the layer's ``MoEConfig`` (validated there; read
+    here: ``sequence_parallel``, ``dedup`` (``dedup.py``), ``receive_capacity_factor``
+    (``guard.py``), ``cpu_source_major`` (``cpu.py``), the router's ``pad_to_capacity``
+    (capacity mode: ``dispatch`` gets the capacity), ``dispatch_dtype`` and
+    ``combine_grad_dtype`` (FP8 rows, ``fp8.py``), ``redundant_experts`` (the exchange then
+    runs over the E + R slots as if each were an expert)). Groups: ``state`` (a
+    ParallelState, read at every call; with ``sequence_parallel`` the TP ranks' tokens are
+    their own, so no TP share), or an explicit ``ep_group`` alone (None = one rank). Global
+    expert g lives on EP rank ``g // L`` as its local expert ``g % L``. ``stats`` receives
+    every collective's event.
     """
 
-    def __init__(self, num_experts: int, ep_group=None, stats: comm.CommStats | None = None, *, state=None,
-                 sequence_parallel: bool = False, dedup: str = "auto", receive_capacity_factor: float | None = None,
-                 source_major: bool = False, padded: bool = False, dispatch_fp8: bool = False,
-                 combine_grad_fp8: bool = False):
+    def __init__(self, config: MoEConfig, state=None, stats: comm.CommStats | None = None, *, ep_group=None):
+        if not isinstance(config, MoEConfig):
+            raise ValueError(f"Dispatcher(config) takes a MoEConfig, got {config!r}")
         if state is not None and ep_group is not None:
             raise ValueError("pass either state or an explicit ep_group to the Dispatcher, not both")
-        if dedup not in DEDUP_VOTES:
-            raise ValueError(f"dedup={dedup!r} must be one of {tuple(DEDUP_VOTES)}")
-        check_receive_capacity_factor(receive_capacity_factor)
-        self.receive_capacity_factor = receive_capacity_factor
+        self.config, self.stats = config, stats
         self._state, self._ep_group = state, ep_group
-        self.sequence_parallel, self.dedup = sequence_parallel, dedup
-        self.source_major, self.padded, self.dispatch_fp8 = source_major, padded, dispatch_fp8
-        self.combine_grad_fp8 = combine_grad_fp8
-        self.num_experts, self.stats = num_experts, stats
         self.ep = comm.group_size(self.ep_group)
-        if num_experts % self.ep:
-            raise ValueError(f"num_experts={num_experts} is not divisible by ep_size={self.ep}")
-        self.num_local = num_experts // self.ep
-
-    @classmethod
-    def for_layer(cls, config, state, stats: comm.CommStats | None = None) -> "Dispatcher":
-        """The dispatcher of an MoE layer: its options from the layer's ``MoEConfig`` (already
-        validated there), its groups from ``state`` at every call."""
-        # With redundant experts the exchange runs over the E + R slots, as if each were an expert.
-        return cls(config.num_experts + config.redundant_experts, state=state, stats=stats, sequence_parallel=config.sequence_parallel,
-                   dedup=config.dedup, receive_capacity_factor=config.receive_capacity_factor,
-                   source_major=config.cpu_source_major, padded=config.router.pad_to_capacity,
-                   dispatch_fp8=config.dispatch_dtype == "fp8", combine_grad_fp8=config.combine_grad_dtype == "fp8")
+        if self.ep != config.ep_size:
+            raise ValueError(f"the EP group has {self.ep} ranks but config.ep_size={config.ep_size}")
+        self.num_experts = config.num_experts + config.redundant_experts   # slots: what the exchange moves
+        self.num_local = self.num_experts // self.ep
+        self.columns = msg.columns(self.num_experts, self.ep)   # the counts row's layout, fixed per layer
 
     @property
     def ep_group(self):
@@ -122,12 +107,12 @@ class Dispatcher:
     def topology(self) -> Topology:
         """This call's groups (the state's, computed once per state)."""
         if self._state is not None:
-            return self._state.moe_topology_sp if self.sequence_parallel else self._state.moe_topology
+            return self._state.moe_topology_sp if self.config.sequence_parallel else self._state.moe_topology
         return Topology.of_ep_group(self._ep_group)
 
     def _call(self) -> Call:
-        return Call(self.topology(), self.num_experts, self.stats, fp8=self.dispatch_fp8,
-                    fp8_grad=self.combine_grad_fp8)
+        return Call(self.topology(), self.num_experts, self.stats, fp8=self.config.dispatch_dtype == "fp8",
+                    fp8_grad=self.config.combine_grad_dtype == "fp8")
 
     # ---- dispatch ---------------------------------------------------------------------
     def dispatch(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
@@ -151,15 +136,15 @@ class Dispatcher:
         layer's differ when every route travels as its own row).
         """
         problem = _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, self.num_experts, capacity)
-        if problem is None and self.padded != (capacity is not None):
-            problem = (f"capacity={capacity} but this dispatcher was built with padded={self.padded}: padded "
+        if problem is None and self.config.router.pad_to_capacity != (capacity is not None):
+            problem = (f"capacity={capacity} but this dispatcher was built with pad_to_capacity={self.config.router.pad_to_capacity}: padded "
                        f"capacity mode takes the router's capacity, dropless mode none")
         if error is not None or problem is not None:   # tell the block first (it waits in the counts exchange)
             ok = isinstance(x_TD, torch.Tensor)
             self.abort(error or f"MoE dispatch: {problem}", int(x_TD.shape[-1]) if ok and x_TD.dim() else 0,
                        x_TD.dtype if ok else torch.float32, x_TD.device if ok else torch.device("cpu"))
         call = self._call()
-        if self.padded:
+        if self.config.router.pad_to_capacity:
             _check_alone(flags, call, self.num_experts)
             return Dispatched(*FORMS["padded"].dispatch(call, x_TD, expert_ids_TK, dropped_TK, weights_TK,
                                                         capacity, during))
@@ -201,15 +186,15 @@ class Dispatcher:
         vote = self._dedup_vote(call, routes.expert_ids_TK)
         x = routes.x_TD
         # A CUDA tensor never enters cpu.py: source-major rows pay only on gloo.
-        on_cpu = self.source_major and x.device.type == "cpu" and call.topo.etp == 1 and call.topo.ep > 1
+        on_cpu = self.config.cpu_source_major and x.device.type == "cpu" and call.topo.etp == 1 and call.topo.ep > 1
         forms = SOURCE_MAJOR if on_cpu and cpu.source_major_pays(call.topo.ep_group, L) else 0
         contribution = Contribution(
             counts_E=counts_E, hidden=x.shape[1], dtype=dtype_code(x.dtype), tokens=tokens, forms=forms,
             flags={**(flags or {}), "bad_ids": bad_R.sum()}, dedup_vote=vote,
             dedup_P=dedup_rows(routes.expert_ids_TK, routes.dropped_TK, L, call.topo.ep) if vote else None)
-        rows_dev, host = exchange(contribution, call.topo, E, x, self.stats)
-        raise_on_bad_input(host, call.topo, E, None)
-        return decide(rows_dev, host, call.topo, E, self.receive_capacity_factor)
+        rows_dev, host = exchange(contribution, call.topo, self.columns, x, self.stats)
+        raise_on_bad_input(host, call.topo, self.columns, None)
+        return decide(rows_dev, host, call.topo, self.columns, self.config.receive_capacity_factor)
 
     def _apply_guard(self, routes: Routes, plan: Plan) -> Routes:
         """Step 3, receive guard: drop this rank's routes past its quotas, lowest routing
@@ -228,19 +213,19 @@ class Dispatcher:
         token, an EP group and no expert TP. "auto" votes off at once where it can never
         apply (a token sends at least one row, so rows/routes >= 1/K)."""
         K = expert_ids_TK.shape[1]
-        if (self.dedup == "off" or call.topo.ep == 1 or call.topo.etp > 1 or K < 2
-                or (self.dedup == "auto" and 1 / K > DEDUP_MAX_FRACTION)):
+        if (self.config.dedup == "off" or call.topo.ep == 1 or call.topo.etp > 1 or K < 2
+                or (self.config.dedup == "auto" and 1 / K > DEDUP_MAX_FRACTION)):
             return 0
-        return DEDUP_VOTES[self.dedup]
+        return DEDUP_VOTES[self.config.dedup]
 
     def abort(self, error: str, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raise ``error`` here and on every rank of the block: a rank whose input is invalid
         calls this instead of ``dispatch``; its peers learn of it in the counts exchange.
         ``device``: where the layer's collectives run (its parameters' device)."""
         call = self._call()
-        if not self.padded and call.topo.block_size > 1:
+        if not self.config.router.pad_to_capacity and call.topo.block_size > 1:
             contribution = Contribution(counts_E=None, hidden=hidden, dtype=dtype_code(dtype), error=error)
-            exchange(contribution, call.topo, self.num_experts, torch.empty(0, device=device), self.stats)
+            exchange(contribution, call.topo, self.columns, torch.empty(0, device=device), self.stats)
         raise ValueError(error)
 
     def exchange_empty_counts(self, like: torch.Tensor) -> None:
@@ -248,7 +233,7 @@ class Dispatcher:
         call = self._call()
         zeros = torch.zeros(self.num_experts, dtype=torch.int64, device=like.device)
         contribution = Contribution(counts_E=zeros, hidden=like.shape[-1], dtype=dtype_code(like.dtype))
-        exchange(contribution, call.topo, self.num_experts, like, self.stats)
+        exchange(contribution, call.topo, self.columns, like, self.stats)
 
     # ---- combine ----------------------------------------------------------------------
     def combine(self, y_local: torch.Tensor, meta: Meta) -> torch.Tensor:
@@ -324,29 +309,29 @@ class Contribution:
     forms: int = 0
 
 
-def build_row(c: Contribution, num_experts: int, ep: int, dev: torch.device) -> torch.Tensor:
+def build_row(c: Contribution, cols: msg.Columns, dev: torch.device) -> torch.Tensor:
     """This rank's [1, W] int64 row on ``dev``: device counts copied, host facts filled."""
-    E = num_experts
-    row = torch.zeros(1, msg.width(E, ep), dtype=torch.int64, device=dev)
+    E, at = cols.num_experts, cols.field
+    row = torch.zeros(1, cols.width, dtype=torch.int64, device=dev)
     if c.counts_E is not None:
         row[0, :E] = c.counts_E
-        row[0, msg.column("routes", E)] = c.counts_E.sum()
+        row[0, at["routes"]] = c.counts_E.sum()
     for name, value in (("hidden", c.hidden), ("dtype", c.dtype), ("error", int(c.error is not None)),
                         ("tokens", c.tokens), ("dedup_mode", c.dedup_vote), ("forms", c.forms)):
-        row[0, msg.column(name, E)].fill_(value)   # a fill kernel: no host data is copied
+        row[0, at[name]].fill_(value)   # a fill kernel: no host data is copied
     for name, t in c.flags.items():
-        row[0, msg.column(name, E)] = t
+        row[0, at[name]] = t
     if c.dedup_P is not None:
-        row[0, msg.dedup_columns(E, ep)] = c.dedup_P
-        row[0, msg.column("dedup_rows", E)] = c.dedup_P.sum()
+        row[0, cols.dedup] = c.dedup_P
+        row[0, at["dedup_rows"]] = c.dedup_P.sum()
     return row
 
 
-def exchange(c: Contribution, topo: Topology, num_experts: int, like: torch.Tensor,
+def exchange(c: Contribution, topo: Topology, cols: msg.Columns, like: torch.Tensor,
              stats: comm.CommStats | None) -> tuple[torch.Tensor, torch.Tensor]:
     """All-gather the rows over the block (bytes: ``counts_message.message_bytes``) and read
     them to the host once: (rows on the device [B, W], the same on the host)."""
-    row = build_row(c, num_experts, topo.ep, comm.small_device(topo.block, like))
+    row = build_row(c, cols, comm.small_device(topo.block, like))
     rows = comm.all_gather_rows(row, topo.block, stats=stats)
     return rows, comm.read_to_host(rows)
 
@@ -359,13 +344,13 @@ FLAG_ERRORS = {   # the message a rank gives for its own device-side verdict
 }
 
 
-def raise_on_bad_input(host: torch.Tensor, topo: Topology, num_experts: int, own_error: str | None) -> None:
+def raise_on_bad_input(host: torch.Tensor, topo: Topology, cols: msg.Columns, own_error: str | None) -> None:
     """Raise on every rank of the block when any rank's input is bad: a rank with its own
     reason, the others naming the bad ranks. Also when hidden sizes or dtypes differ."""
-    E, me = num_experts, topo.rows.me
+    E, me = cols.num_experts, topo.rows.me
     if own_error is not None:
         raise ValueError(own_error)
-    col = lambda name: host[:, msg.column(name, E)]   # noqa: E731
+    col = lambda name: host[:, cols.field[name]]   # noqa: E731
     for name, text in FLAG_ERRORS.items():
         n = int(col(name)[me])
         if n:
@@ -387,10 +372,10 @@ def raise_on_bad_input(host: torch.Tensor, topo: Topology, num_experts: int, own
         raise ValueError(f"MoE forward: negative route counts received: {host[:, :E].tolist()}")
 
 
-def decide(rows_dev: torch.Tensor, host: torch.Tensor, topo: Topology, num_experts: int,
+def decide(rows_dev: torch.Tensor, host: torch.Tensor, topo: Topology, cols: msg.Columns,
            receive_capacity_factor: float | None) -> Plan:
     """The plan from the block's rows (no communication, no host read)."""
-    E, P, etp, R = num_experts, topo.ep, topo.etp, topo.rows
+    E, P, etp, R = cols.num_experts, topo.ep, topo.etp, topo.rows
     L = E // P
     mine = slice(topo.ep_rank * L, (topo.ep_rank + 1) * L)
 
@@ -411,15 +396,15 @@ def decide(rows_dev: torch.Tensor, host: torch.Tensor, topo: Topology, num_exper
     else:   # views of the gathered rows: the sub-block's [P, etp] rows, ETP peer-major
         W = rows_dev.shape[1]
         counts_SL_dev = rows_dev[R.sub:R.sub + P * etp].view(P, etp, W).transpose(0, 1)[:, :, mine].reshape(-1, L)
-    col = lambda name: host[list(R.ep_rows), msg.column(name, E)]   # noqa: E731
-    tp_tokens = tuple(host[list(R.tp_rows), msg.column("tokens", E)].tolist())
+    col = lambda name: host[list(R.ep_rows), cols.field[name]]   # noqa: E731
+    tp_tokens = tuple(host[list(R.tp_rows), cols.field["tokens"]].tolist())
     etp_sizes = tuple(int(k[:, mine].sum()) for _, k, _ in groups) if etp > 1 else None
     send = tuple(kept_PE[topo.ep_rank].view(P, L).sum(1).tolist())
     recv = tuple(kept_PE[:, mine].sum(1).tolist())
     form = "rows"
     if not cut and int(col("dedup_mode").min()) > 0 and group_dedups(col("dedup_mode"), col("dedup_rows"),
                                                                        col("routes")):
-        dcols = msg.dedup_columns(E, P)
+        dcols = cols.dedup
         send = tuple(host[R.me, dcols].tolist())
         recv = tuple(host[list(R.ep_rows), dcols.start + topo.ep_rank].tolist())
         form = "dedup"

@@ -30,6 +30,7 @@ from the saved pre-activation instead of storing it (docs/local.md).
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Sequence
 
@@ -38,16 +39,13 @@ import torch.nn as nn
 
 
 from .. import checks
-from .activations import GATED_NAMES, PLAIN_NAMES, ClampedSwiGLU, Elementwise
-from .experts_fn import GEMM_PATHS, ExpertsFunction, check_counts, resolve_gemm_path
+from .activations import GATED, ClampedSwiGLU, Elementwise
+from .config import MoEConfig, RouterConfig
+from .experts_fn import ExpertsFunction, check_counts, resolve_gemm_path
 from .experts_op import experts_fwd
-from .layer_options import copy_local
+from ..parallel.fsdp import copy_local
 
 
-# clamped_swiglu: GPT-OSS; the elementwise ones plain ("gelu_tanh", ...) and gated ("glu_gelu", ...):
-# activations.py
-ACTIVATIONS = ("gelu", "swiglu", "relu", "clamped_swiglu") + PLAIN_NAMES + GATED_NAMES
-GATED = ("swiglu", "clamped_swiglu") + GATED_NAMES   # activations with an up projection (w3/b3)
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: spreads (seed, g) over the 64-bit space
 
 
@@ -59,67 +57,83 @@ def _expert_seed(init_seed: int, g: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
+@dataclasses.dataclass(frozen=True)
+class ExpertShard:
+    """Which experts, and which slice of their FFN, this rank holds: ``num_local_experts``
+    consecutive experts from global expert ``first_expert``; with expert tensor parallelism
+    (``etp_size`` > 1) columns ``[etp_rank*F/etp, (etp_rank+1)*F/etp)`` of w1/w3/b1/b3 and the
+    same rows of w2, ``forward`` then returning a partial sum (without b2) that the caller reduces."""
+
+    num_local_experts: int
+    first_expert: int = 0
+    etp_size: int = 1
+    etp_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name, lo in (("num_local_experts", 1), ("first_expert", 0), ("etp_size", 1), ("etp_rank", 0)):
+            checks.int_at_least(name, getattr(self, name), lo)
+        if self.etp_rank >= self.etp_size:
+            raise ValueError(f"etp_rank={self.etp_rank} must be < etp_size={self.etp_size}")
+
+
 class GroupedExperts(nn.Module):
     """All local experts of one MoE layer, each an FFN ``D -> F -> D``.
 
-    Args:
-        num_local_experts: experts held here (E).
-        hidden, ffn_hidden: D and the full (unsliced) F.
-        activation: "gelu" (exact erf), "swiglu" (silu(x w1) * (x w3)), "relu",
-            "clamped_swiglu" (GPT-OSS, ``moepar.moe.activations.ClampedSwiGLU`` with
-            ``activation_limit``/``activation_alpha``; w1 is the gate, w3 the up projection),
-            or an elementwise one of ``moepar.moe.activations``: "<fn>" or gated "glu_<fn>".
-        bias: add b1 (b3) and b2.
-        first_expert: global index of local expert 0 (EP rank * num_local_experts).
-        etp_size, etp_rank: expert tensor parallelism; this rank holds columns
-            ``[etp_rank*F/etp, (etp_rank+1)*F/etp)`` of w1/w3/b1/b3 and the same rows of w2,
-            and ``forward`` returns a partial sum (without b2) that the caller reduces.
-        init_seed, init_std: expert g's weights are ``global_expert_init(g, ...)`` sliced,
-            identical whatever the ep/etp layout.
-        dtype: parameter dtype (default: torch's default dtype).
-        gemm_path: "auto" | "grouped_mm" | "loop" | "bmm" (see the module docstring).
+    ``GroupedExperts(config, shard)``: the layer's ``MoEConfig`` (validated there: hidden D,
+    ffn_hidden F (full, unsliced), activation, bias, init_seed/init_std, dtype, gemm_path,
+    activation_limit/alpha; its ``init_seed`` is the experts' own) and this rank's
+    ``ExpertShard``. Expert g's weights are ``global_expert_init(g, ...)`` sliced, identical
+    whatever the ep/etp layout. ``GroupedExperts(num_local_experts, hidden, ffn_hidden,
+    activation="gelu", bias=False, *, first_expert=0, etp_size=1, etp_rank=0, init_seed=1234,
+    init_std=None, dtype=None, gemm_path="auto", activation_limit=7.0, activation_alpha=1.702)``
+    is the shortcut that builds both. Activations: "gelu" (exact erf), "swiglu"
+    (silu(x w1) * (x w3)), "relu", "clamped_swiglu" (GPT-OSS, ``ClampedSwiGLU``; w1 the gate,
+    w3 the up projection), or an elementwise one of ``moepar.moe.activations``.
 
     Every parameter carries ``moepar_expert = True`` and ``moepar_expert_partition_dim``
     (the dim sliced by etp: 2 for w1/w3, 1 for w2/b1/b3, None for b2).
     """
 
     replicas = None   # moepar.moe.replicas.Replicas: set by the layer for redundant_experts > 0
+    # The config's and the shard's fields, read-only (the names the rest of the package reads).
+    hidden = property(lambda self: self.config.hidden)
+    ffn_hidden = property(lambda self: self.config.ffn)
+    activation = property(lambda self: self.config.activation)
+    bias = property(lambda self: self.config.bias)
+    init_seed = property(lambda self: self.config.init_seed)
+    init_std = property(lambda self: self.config.init_std)
+    # gemm_path may be switched on a built module (benchmarks time each path): a new config, validated.
+    gemm_path = property(lambda self: self.config.gemm_path,
+                         lambda self, path: setattr(self, "config", dataclasses.replace(self.config, gemm_path=path)))
+    num_local_experts = property(lambda self: self.shard.num_local_experts)
+    first_expert = property(lambda self: self.shard.first_expert)
+    etp_size = property(lambda self: self.shard.etp_size)
+    etp_rank = property(lambda self: self.shard.etp_rank)
 
-    def __init__(self, num_local_experts: int, hidden: int, ffn_hidden: int, activation: str = "gelu",
-                 bias: bool = False, *, first_expert: int = 0, etp_size: int = 1, etp_rank: int = 0,
-                 init_seed: int = 1234, init_std: float | None = None, dtype: torch.dtype | None = None,
-                 gemm_path: str = "auto", activation_limit: float = 7.0, activation_alpha: float = 1.702):
+    def __init__(self, config: MoEConfig | int | None = None, shard: ExpertShard | int | None = None, *args,
+                 **options):
         super().__init__()
-        for name, v, lo in (("num_local_experts", num_local_experts, 1), ("hidden", hidden, 1),
-                            ("ffn_hidden", ffn_hidden, 1), ("etp_size", etp_size, 1),
-                            ("first_expert", first_expert, 0), ("etp_rank", etp_rank, 0)):
-            checks.int_at_least(name, v, lo)
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation={activation!r} must be one of {ACTIVATIONS}")
-        if ffn_hidden % etp_size:
-            raise ValueError(f"ffn_hidden={ffn_hidden} is not divisible by etp_size={etp_size}")
-        if etp_rank >= etp_size:
-            raise ValueError(f"etp_rank={etp_rank} must be < etp_size={etp_size}")
-        if gemm_path not in GEMM_PATHS:
-            raise ValueError(f"gemm_path={gemm_path!r} must be one of {GEMM_PATHS}")
-        if init_std is not None and not init_std > 0:
-            raise ValueError(f"init_std={init_std!r} must be None or > 0")
-        self.num_local_experts, self.hidden, self.ffn_hidden = num_local_experts, hidden, ffn_hidden
-        self.activation, self.bias = activation, bool(bias)
+        if not isinstance(config, MoEConfig):   # the keyword form (its arguments may be all keywords)
+            config, shard = _shortcut(*[a for a in (config, shard) if a is not None], *args, **options)
+        elif args or options or not isinstance(shard, ExpertShard):
+            raise ValueError("GroupedExperts(config, shard) takes a MoEConfig and an ExpertShard and nothing else")
+        if config.init_seed is None:
+            raise ValueError("GroupedExperts needs config.init_seed (the MoE layer sets the one it drew)")
+        if shard.etp_size != config.expert_tensor_parallel_size:
+            raise ValueError(f"shard etp_size={shard.etp_size} != config expert_tensor_parallel_size="
+                             f"{config.expert_tensor_parallel_size}")
+        self.config, self.shard = config, shard
         # What ExpertsFunction gets: the name, or the clamped SwiGLU's constants (validated there).
-        self._act = (ClampedSwiGLU(activation_limit, activation_alpha) if activation == "clamped_swiglu"
-                     else Elementwise.of(activation) or activation)
-        self.first_expert, self.etp_size, self.etp_rank = first_expert, etp_size, etp_rank
-        self.init_seed, self.init_std = int(init_seed), init_std
-        self.gemm_path = gemm_path
-        self.ffn_local = ffn_hidden // etp_size
-        E, D, Fl = num_local_experts, hidden, self.ffn_local
-        dtype = dtype or torch.get_default_dtype()
-        swiglu = activation in GATED
+        self._act = (ClampedSwiGLU(config.activation_limit, config.activation_alpha)
+                     if config.activation == "clamped_swiglu" else Elementwise.of(config.activation) or config.activation)
+        self.ffn_local = config.ffn // shard.etp_size
+        E, D, Fl = shard.num_local_experts, config.hidden, self.ffn_local
+        dtype = config.dtype or torch.get_default_dtype()
+        swiglu = config.activation in GATED
         shapes = {"w1": ((E, D, Fl), 2), "w3": ((E, D, Fl), 2), "w2": ((E, Fl, D), 1),
                   "b1": ((E, Fl), 1), "b3": ((E, Fl), 1), "b2": ((E, D), None)}
         for name, (shape, pdim) in shapes.items():
-            if (name in ("w3", "b3") and not swiglu) or (name[0] == "b" and not self.bias):
+            if (name in ("w3", "b3") and not swiglu) or (name[0] == "b" and not config.bias):
                 self.register_parameter(name, None)
                 continue
             setattr(self, name, nn.Parameter(torch.empty(shape, dtype=dtype)))
@@ -306,3 +320,20 @@ class GroupedExperts(nn.Module):
         return (f"num_local_experts={self.num_local_experts}, hidden={self.hidden}, ffn_hidden={self.ffn_hidden}, "
                 f"activation={self.activation!r}, bias={self.bias}, first_expert={self.first_expert}, "
                 f"etp={self.etp_rank}/{self.etp_size}, gemm_path={self.gemm_path!r}")
+
+
+def _shortcut(num_local_experts: int, hidden: int | None = None, ffn_hidden: int | None = None,
+              activation: str = "gelu", bias: bool = False, *, first_expert: int = 0, etp_size: int = 1,
+              etp_rank: int = 0, init_seed: int = 1234, **config) -> tuple[MoEConfig, ExpertShard]:
+    """The keyword form's (config, shard): the experts alone, as a one-rank layer's."""
+    shard = ExpertShard(num_local_experts, first_expert, etp_size, etp_rank)
+    if hidden is None or ffn_hidden is None:
+        raise ValueError(f"GroupedExperts({num_local_experts!r}, hidden={hidden!r}, ffn_hidden={ffn_hidden!r}) "
+                         f"needs hidden and ffn_hidden (or pass a MoEConfig and an ExpertShard)")
+    if not checks.is_int(ffn_hidden) or not checks.is_int(etp_size) or ffn_hidden % etp_size:
+        raise ValueError(f"ffn_hidden={ffn_hidden!r} is not divisible by etp_size={etp_size}")
+    E = first_expert + num_local_experts
+    # The experts take no routing options; a k=1 router config fits even one expert.
+    cfg = MoEConfig(hidden, E, router=RouterConfig(hidden, E, k=1), ffn_hidden=ffn_hidden, activation=activation,
+                    bias=bias, expert_tensor_parallel_size=etp_size, init_seed=init_seed, **config)
+    return cfg, shard

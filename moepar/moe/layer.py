@@ -15,111 +15,18 @@ import dataclasses
 
 import torch
 import torch.utils.checkpoint
-import torch.nn.functional as F
 from torch import nn
 
-from ..parallel import comm
 from ..parallel.groups import ParallelState, get_parallel_state
-from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from .config import MoEConfig, make_config
 from .dispatcher import Dispatcher
-from .activations import Elementwise
-from .experts import GATED, GroupedExperts
-from .guard import GroupLoad
-from .layer_options import SharedExpertGate, routes_as_rows, sum_routes
+from .experts import ExpertShard, GroupedExperts
+from .layer_options import SharedExperts, routes_as_rows, sum_routes
 from .replicas import Replicas
 from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, tapped
-from .router import TopKRouter
+from .stats import MoEStats
+from .router import TopKRouter, input_error as routing_input_error
 from .traffic import aux_group_name
-
-
-@dataclasses.dataclass
-class MoEStats:
-    """What the last forward (and its backward) did on this rank."""
-
-    tokens_per_expert: torch.Tensor | None = None  # [E] kept routes per global expert (this rank's router)
-    routes: int = 0                                 # T*K routes the router produced
-    dropped: torch.Tensor | None = None             # scalar: routes dropped for capacity + by the receive guard
-    comm: comm.CommStats = dataclasses.field(default_factory=comm.CommStats)
-    # The EP group's load from the counts exchange (moepar.moe.guard.GroupLoad; None in
-    # padded capacity mode): overload factors, the receive guard's cap and drops.
-    load: GroupLoad | None = None
-    capacity_dropped: torch.Tensor | None = None    # scalar: the router's capacity drops alone
-    # The token exchange form the dispatch took (DispatchMeta.exchange_form): "padded" |
-    # "dedup" | "source_major" | "regroup" | "direct"; the same on every rank of an EP group.
-    exchange_form: str | None = None
-
-    @property
-    def dropped_fraction(self) -> float:
-        """Fraction of the router's routes dropped, for capacity or by the receive guard.
-        Under TP without SP the guard cuts this TP rank's share of the tokens: its part is
-        the share's fraction of the routes kept after capacity (exact elsewhere)."""
-        if self.dropped is None or self.routes == 0:
-            return 0.0
-        cap = float(self.capacity_dropped if self.capacity_dropped is not None else self.dropped)
-        guard = self.load.guard_dropped if self.load is not None else 0
-        if guard == 0:
-            return cap / self.routes
-        kept = 1.0 - cap / self.routes
-        return cap / self.routes + kept * guard / max(self.load.dispatched, 1)
-
-    @property
-    def expert_overload(self) -> float | None:
-        """max / mean routes per expert over the EP group (before the guard)."""
-        return None if self.load is None else self.load.expert_overload
-
-    @property
-    def rank_overload(self) -> float | None:
-        """max / mean rows received per EP rank (before the guard)."""
-        return None if self.load is None else self.load.rank_overload
-
-    def comm_bytes(self, op: str | None = None, backward: bool | None = None) -> int:
-        return sum(e.nbytes for e in self.comm.events
-                   if (op is None or e.op == op) and (backward is None or e.backward == backward))
-
-
-class SharedExperts(nn.Module):
-    """A dense FFN every token passes through, TP-sliced like Megatron's MLP
-    (column-parallel in, row-parallel out: one all-reduce forward, one backward).
-    ``gate``: Qwen2-MoE's shared_expert_gate, sigmoid(x . w_gate) [T, 1] scaling the output
-    (``self.gate.weight`` [1, D]; None without it)."""
-
-    def __init__(self, hidden: int, ffn_hidden: int, activation: str, state: ParallelState,
-                 sequence_parallel: bool, init_seed: int, init_std: float | None, dtype, gate: bool = False):
-        super().__init__()
-        self.activation = activation
-        kw = dict(bias=False, state=state, sequence_parallel=sequence_parallel, init_std=init_std, dtype=dtype)
-        self.w1 = ColumnParallelLinear(hidden, ffn_hidden, init_seed=init_seed, **kw)
-        self.w3 = (ColumnParallelLinear(hidden, ffn_hidden, init_seed=init_seed + 1, **kw)
-                   if activation in GATED else None)
-        self._act = Elementwise.of(activation)   # None for the built-in gelu / relu / swiglu
-        self.w2 = RowParallelLinear(ffn_hidden, hidden, init_seed=init_seed + 2, **kw)
-        self.gate = SharedExpertGate(hidden, init_seed + 3, sequence_parallel, dtype) if gate else None
-
-    def reset_parameters(self) -> None:
-        """Re-draw the weights as at construction (same seed: the same values, this rank's
-        TP slice of each), e.g. after ``to_empty`` of a layer built on the meta device."""
-        for part in (self.w1, self.w3, self.w2, self.gate):
-            if part is not None:
-                part.reset_parameters()
-
-    def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None,
-                stats: comm.CommStats | None = None) -> torch.Tensor:
-        """``sequence_sizes``: with sequence parallelism, every TP rank's token count.
-        One input collective for w1 and w3 (an all-gather with SP; the backward's all-reduce
-        without), one output collective: Megatron's MLP, as the cost model counts it."""
-        x_in = self.w1.region_input(x, sequence_sizes, stats)
-        h = self.w1.local(x_in, stats)
-        if self.activation == "swiglu":
-            h = F.silu(h) * self.w3.local(x_in, stats)
-        elif self._act is not None:
-            h = self._act.forward(h, self.w3.local(x_in, stats) if self._act.gated else None)
-        elif self.activation == "gelu":
-            h = F.gelu(h)
-        else:
-            h = F.relu(h)
-        y = self.w2(h, sequence_sizes, stats)
-        return y if self.gate is None else self.gate(x) * y
 
 
 class MoE(nn.Module):
@@ -151,11 +58,8 @@ class MoE(nn.Module):
         router_cfg = dataclasses.replace(cfg.router, init_seed=init_seed)
         self.router = TopKRouter(router_cfg)
         self._mark_router()
-        self.experts = GroupedExperts(
-            self.num_local_experts, hidden, cfg.ffn, cfg.activation, cfg.bias,
-            first_expert=state.ep_rank * self.num_local_experts, etp_size=self.etp, etp_rank=state.etp_rank,
-            init_seed=init_seed + 1, init_std=cfg.init_std, dtype=cfg.dtype, gemm_path=cfg.gemm_path,
-            activation_limit=cfg.activation_limit, activation_alpha=cfg.activation_alpha)
+        shard = ExpertShard(self.num_local_experts, state.ep_rank * self.num_local_experts, self.etp, state.etp_rank)
+        self.experts = GroupedExperts(dataclasses.replace(cfg, init_seed=init_seed + 1), shard)
         self.replicas = None
         if cfg.redundant_experts:   # E + R slots per EP group (moepar.moe.replicas)
             self.replicas = self.experts.replicas = Replicas(cfg.num_experts, cfg.redundant_experts, cfg.ep_size,
@@ -165,7 +69,7 @@ class MoE(nn.Module):
             self.shared = SharedExperts(hidden, cfg.shared_ffn, cfg.activation, state, cfg.sequence_parallel,
                                         init_seed + 2, cfg.init_std, cfg.dtype, gate=cfg.shared_expert_gate)
         self._stats = MoEStats()
-        self.dispatcher = Dispatcher.for_layer(cfg, state, self._stats.comm)
+        self.dispatcher = Dispatcher(cfg, state, self._stats.comm)
         if self.replicas is not None:
             self.replicas.stats = self._stats.comm
         self._losses: dict[str, torch.Tensor | None] = {"aux": None, "z": None}
@@ -315,7 +219,7 @@ class MoE(nn.Module):
         if x.device != self.router.weight.device:
             return (f"x is on {x.device} but the MoE layer's parameters are on {self.router.weight.device}; "
                     f"move one of them")
-        return self.router.config.input_error(x.numel() // self.hidden)   # whole sequences of seq_len
+        return routing_input_error(self.router.config, x.numel() // self.hidden)   # whole sequences of seq_len
 
     def _empty_input(self, x) -> torch.Tensor:
         """[0, hidden] on the layer's device, in x's dtype where x is a floating tensor."""

@@ -9,6 +9,7 @@ Legend (docs/moe.md): T tokens, D hidden, K routes per token, N = T*K routes.
   (t, k)), which the dispatcher moves like any k=1 routing; ``sum_routes`` folds the N
   outputs back. The weights stay in the graph through the scaling, so their gradient
   flows (d w_tk = <dy_t-through-expert, x_t>).
+* ``SharedExperts`` (``num_shared_experts``): a dense FFN every token passes through.
 * ``shared_expert_gate`` (Qwen2-MoE): ``out += sigmoid(x . w_gate) * shared(x)`` per token,
   ``w_gate`` [1, D]; ``SharedExpertGate`` holds it.
 """
@@ -20,9 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-# The initialisers' write that also lands in a parameter FSDP2 sharded; it lives with FSDP
-# (moepar.parallel.fsdp) and is re-exported here for the modules that still import it from here.
-from ..parallel.fsdp import copy_local  # noqa: F401
+from ..parallel import comm
+from ..parallel.fsdp import copy_local
+from ..parallel.groups import ParallelState
+from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from .activations import GATED, Elementwise
 
 
 def routes_as_rows(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor,
@@ -69,3 +72,47 @@ class SharedExpertGate(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(F.linear(x_TD, self.weight))
+
+
+class SharedExperts(nn.Module):
+    """A dense FFN every token passes through, TP-sliced like Megatron's MLP
+    (column-parallel in, row-parallel out: one all-reduce forward, one backward).
+    ``gate``: Qwen2-MoE's shared_expert_gate, sigmoid(x . w_gate) [T, 1] scaling the output
+    (``self.gate.weight`` [1, D]; None without it)."""
+
+    def __init__(self, hidden: int, ffn_hidden: int, activation: str, state: ParallelState,
+                 sequence_parallel: bool, init_seed: int, init_std: float | None, dtype, gate: bool = False):
+        super().__init__()
+        self.activation = activation
+        kw = dict(bias=False, state=state, sequence_parallel=sequence_parallel, init_std=init_std, dtype=dtype)
+        self.w1 = ColumnParallelLinear(hidden, ffn_hidden, init_seed=init_seed, **kw)
+        self.w3 = (ColumnParallelLinear(hidden, ffn_hidden, init_seed=init_seed + 1, **kw)
+                   if activation in GATED else None)
+        self._act = Elementwise.of(activation)   # None for the built-in gelu / relu / swiglu
+        self.w2 = RowParallelLinear(ffn_hidden, hidden, init_seed=init_seed + 2, **kw)
+        self.gate = SharedExpertGate(hidden, init_seed + 3, sequence_parallel, dtype) if gate else None
+
+    def reset_parameters(self) -> None:
+        """Re-draw the weights as at construction (same seed: the same values, this rank's
+        TP slice of each), e.g. after ``to_empty`` of a layer built on the meta device."""
+        for part in (self.w1, self.w3, self.w2, self.gate):
+            if part is not None:
+                part.reset_parameters()
+
+    def forward(self, x: torch.Tensor, sequence_sizes: list[int] | None = None,
+                stats: comm.CommStats | None = None) -> torch.Tensor:
+        """``sequence_sizes``: with sequence parallelism, every TP rank's token count.
+        One input collective for w1 and w3 (an all-gather with SP; the backward's all-reduce
+        without), one output collective: Megatron's MLP, as the cost model counts it."""
+        x_in = self.w1.region_input(x, sequence_sizes, stats)
+        h = self.w1.local(x_in, stats)
+        if self.activation == "swiglu":
+            h = F.silu(h) * self.w3.local(x_in, stats)
+        elif self._act is not None:
+            h = self._act.forward(h, self.w3.local(x_in, stats) if self._act.gated else None)
+        elif self.activation == "gelu":
+            h = F.gelu(h)
+        else:
+            h = F.relu(h)
+        y = self.w2(h, sequence_sizes, stats)
+        return y if self.gate is None else self.gate(x) * y

@@ -27,16 +27,10 @@ from moepar.parallel import comm, regions
 from moepar_kernels import routing as _rk
 
 from .capacity import drop_beyond_capacity
-from .layer_options import copy_local   # a DTensor (FSDP2) keeps its own shard
+from .config import RouterConfig
+from ..parallel.fsdp import copy_local   # a DTensor (FSDP2) keeps its own shard
 from .recompute import Record, rng_replayed, rng_state
 
-SCORE_FUNCS = ("softmax", "softmax_after_topk", "sigmoid")
-NOISY_GATE_POLICIES = (None, "jitter", "rsample")
-DROP_POLICIES = ("probs", "position")
-AUX_LOSSES = (None, "switch", "seq")
-NONFINITE = ("raise", "propagate")
-GROUP_SCORES = ("sum_topn", "max")
-AUX_LOSS_CONVENTIONS = ("moepar", "hf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,168 +52,40 @@ class Routing:
     noise_rng: Optional[torch.Tensor] = None
 
 
-@dataclasses.dataclass(frozen=True)
-class RouterConfig:
-    """Every router option, validated once (see ``TopKRouter`` for their meaning)."""
-    hidden: int
-    num_experts: int
-    k: int = 2
-    score_func: str = "softmax"
-    normalize_weights: Optional[bool] = None
-    scaling_factor: float = 1.0
-    bias: bool = False
-    expert_bias: bool = False
-    num_groups: Optional[int] = None
-    topk_groups: Optional[int] = None
-    group_score: str = "sum_topn"
-    group_score_topn: Optional[int] = None
-    noisy_gate_policy: Optional[str] = None
-    noise_eps: float = 1e-2
-    capacity_factor: Optional[float] = None
-    eval_capacity_factor: Optional[float] = None
-    min_capacity: int = 4
-    drop_policy: str = "probs"
-    pad_to_capacity: bool = False
-    expert_capacity: Optional[int] = None
-    aux_loss: Optional[str] = "switch"
-    aux_loss_coeff: float = 1e-2
-    aux_loss_convention: str = "moepar"
-    seq_len: Optional[int] = None
-    z_loss_coeff: float = 0.0
-    nonfinite: str = "raise"
-    use_kernel: Optional[bool] = None
-    init_seed: Optional[int] = None
-    init_std: Optional[float] = None
+def normalizes(cfg: RouterConfig) -> bool:
+    """Renormalise the k weights: ``normalize_weights`` when set, else on for sigmoid with k > 1."""
+    if cfg.normalize_weights is not None:
+        return cfg.normalize_weights
+    return cfg.score_func == "sigmoid" and cfg.k > 1
 
-    def __post_init__(self) -> None:
-        checks.positive_int("hidden", self.hidden)
-        checks.positive_int("num_experts", self.num_experts)
-        E, k = self.num_experts, self.k
-        checks.int_at_least("k", k, 1)
-        if k > E:
-            raise ValueError(f"k={k} must be <= num_experts={E}")
-        checks.one_of("score_func", self.score_func, SCORE_FUNCS)
-        checks.one_of("normalize_weights", self.normalize_weights, (None, True, False))
-        checks.finite("scaling_factor", self.scaling_factor, above=0)
-        if (self.num_groups is None) != (self.topk_groups is None):
-            raise ValueError(f"num_groups={self.num_groups} and topk_groups={self.topk_groups}: "
-                             f"group-limited routing needs both (or neither)")
-        if self.num_groups is not None:
-            checks.positive_int("num_groups", self.num_groups)
-            checks.positive_int("topk_groups", self.topk_groups)
-            if E % self.num_groups:
-                raise ValueError(f"num_experts={E} is not divisible by num_groups={self.num_groups}")
-            if self.topk_groups > self.num_groups:
-                raise ValueError(f"topk_groups={self.topk_groups} must be <= num_groups={self.num_groups}")
-            reachable = self.topk_groups * (E // self.num_groups)
-            if k > reachable:
-                raise ValueError(f"k={k} must be <= topk_groups={self.topk_groups} x experts per group "
-                                 f"{E // self.num_groups} = {reachable}")
-        checks.one_of("group_score", self.group_score, GROUP_SCORES)
-        if self.group_score_topn is not None:
-            checks.positive_int("group_score_topn", self.group_score_topn)
-            if self.group_score == "max":
-                raise ValueError(f"group_score_topn={self.group_score_topn} goes with group_score='sum_topn'; "
-                                 f"group_score='max' scores a group by its largest affinity")
-            if self.num_groups is not None and self.group_score_topn > E // self.num_groups:
-                raise ValueError(f"group_score_topn={self.group_score_topn} must be <= experts per group "
-                                 f"{E // self.num_groups} (num_experts={E} / num_groups={self.num_groups})")
-        checks.one_of("noisy_gate_policy", self.noisy_gate_policy, NOISY_GATE_POLICIES)
-        if not (isinstance(self.noise_eps, (int, float)) and 0 < self.noise_eps < 1):
-            raise ValueError(f"noise_eps={self.noise_eps!r} must be in (0, 1)")
-        for name in ("capacity_factor", "eval_capacity_factor"):
-            if getattr(self, name) is not None:
-                checks.finite(name, getattr(self, name), above=0)
-        checks.int_at_least("min_capacity", self.min_capacity, 0)
-        checks.one_of("drop_policy", self.drop_policy, DROP_POLICIES)
-        if self.expert_capacity is not None:
-            checks.positive_int("expert_capacity", self.expert_capacity)
-            if self.capacity_factor is not None or self.eval_capacity_factor is not None:
-                raise ValueError(f"expert_capacity={self.expert_capacity} (absolute slots) and capacity_factor="
-                                 f"{self.capacity_factor} / eval_capacity_factor={self.eval_capacity_factor} "
-                                 f"(relative) are exclusive: set one")
-            if self.seq_len is not None:
-                checks.positive_int("seq_len", self.seq_len)
-        if (self.pad_to_capacity and self.capacity_factor is None and self.eval_capacity_factor is None
-                and self.expert_capacity is None):
-            raise ValueError("pad_to_capacity=True needs a capacity_factor (or eval_capacity_factor, or "
-                             "expert_capacity): dropless routing has no capacity to pad to")
-        checks.one_of("aux_loss", self.aux_loss, AUX_LOSSES)
-        checks.finite("aux_loss_coeff", self.aux_loss_coeff, at_least=0)
-        checks.one_of("aux_loss_convention", self.aux_loss_convention, AUX_LOSS_CONVENTIONS)
-        checks.finite("z_loss_coeff", self.z_loss_coeff, at_least=0)
-        if self.aux_loss == "seq":
-            if self.seq_len is None:
-                raise ValueError("aux_loss='seq' needs seq_len (tokens per sequence on this rank)")
-            checks.positive_int("seq_len", self.seq_len)
-        checks.one_of("nonfinite", self.nonfinite, NONFINITE)
-        checks.one_of("use_kernel", self.use_kernel, (None, True, False))
-        if self.use_kernel is True:
-            reason = self.kernel_gap()
-            if reason:
-                raise ValueError(f"use_kernel=True but the routing kernel does not cover {reason}")
-        if self.init_seed is not None and not checks.is_int(self.init_seed):
-            raise ValueError(f"init_seed={self.init_seed!r} must be an integer or None")
-        if self.init_std is not None:
-            checks.finite("init_std", self.init_std, above=0)
 
-    @property
-    def normalize(self) -> bool:
-        """Renormalise the k weights: explicit setting, else on for sigmoid with k > 1."""
-        if self.normalize_weights is not None:
-            return self.normalize_weights
-        return self.score_func == "sigmoid" and self.k > 1
+def group_topn(cfg: RouterConfig) -> Optional[int]:
+    """How many of a group's best affinities sum to its score: 1 for "max", else
+    ``group_score_topn`` (None: the routing reference's max(1, k // topk_groups))."""
+    return 1 if cfg.group_score == "max" else cfg.group_score_topn
 
-    @property
-    def group_topn(self) -> Optional[int]:
-        """How many of a group's best affinities sum to its score: 1 for "max", else
-        ``group_score_topn`` (None: the routing reference's max(1, k // topk_groups))."""
-        return 1 if self.group_score == "max" else self.group_score_topn
 
-    def kernel_gap(self, training: bool = True) -> str:
-        """Why the Triton kernel cannot serve this config ("" when it can); rsample noise
-        only matters in training."""
-        if _rk.triton is None:
-            return "this machine (triton is not installed)"
-        if self.num_groups is not None:
-            return f"group-limited routing (num_groups={self.num_groups})"
-        if self.noisy_gate_policy == "rsample" and training:
-            return "noisy_gate_policy='rsample'"
-        if self.num_experts > _rk.MAX_EXPERTS:
-            return f"num_experts={self.num_experts} > {_rk.MAX_EXPERTS}"
-        if self.k > _rk.MAX_K:
-            return f"k={self.k} > {_rk.MAX_K}"
-        return ""
-
-    def capacity(self, num_tokens: int, training: bool) -> Optional[int]:
-        """max(ceil(T*K/E * factor), min_capacity) for this rank's T tokens; None = dropless.
-        With ``expert_capacity`` (absolute, per sequence of ``seq_len`` tokens when set):
-        that times the number of sequences, the most routes an expert can keep here."""
-        if self.expert_capacity is not None:
-            return self.expert_capacity * self.sequences(num_tokens)
-        factor = self.capacity_factor if training or self.eval_capacity_factor is None else self.eval_capacity_factor
-        if factor is None:
-            return None
-        # Exact rational arithmetic: 6*2/4*0.5 must be 1.5, not 1.5000000000000002.
-        exact = Fraction(num_tokens * self.k, self.num_experts) * Fraction(repr(float(factor)))
-        return max(math.ceil(exact), self.min_capacity)
-
-    def input_error(self, num_tokens: int) -> Optional[str]:
-        """What is wrong with routing ``num_tokens`` tokens under these options (None: fine),
-        for a caller to raise on every rank before any collective."""
-        if self.seq_len is not None and (self.aux_loss == "seq" or self.expert_capacity is not None):
-            if num_tokens % self.seq_len:
-                return f"{num_tokens} tokens are not a whole number of sequences of seq_len={self.seq_len}"
+def capacity_of(cfg: RouterConfig, num_tokens: int, training: bool) -> Optional[int]:
+    """max(ceil(T*K/E * factor), min_capacity) for this rank's T tokens; None = dropless.
+    With ``expert_capacity`` (absolute, per sequence of ``seq_len`` tokens when set):
+    that times the number of sequences, the most routes an expert can keep here."""
+    if cfg.expert_capacity is not None:
+        return cfg.expert_capacity * cfg.sequences(num_tokens)
+    factor = cfg.capacity_factor if training or cfg.eval_capacity_factor is None else cfg.eval_capacity_factor
+    if factor is None:
         return None
+    # Exact rational arithmetic: 6*2/4*0.5 must be 1.5, not 1.5000000000000002.
+    exact = Fraction(num_tokens * cfg.k, cfg.num_experts) * Fraction(repr(float(factor)))
+    return max(math.ceil(exact), cfg.min_capacity)
 
-    def sequences(self, num_tokens: int) -> int:
-        """Sequences of ``seq_len`` among ``num_tokens`` (1 without seq_len); ValueError if
-        the tokens are not a whole number of sequences."""
-        if self.seq_len is None:
-            return 1
-        if num_tokens % self.seq_len:
-            raise ValueError(f"{num_tokens} tokens are not a whole number of sequences of seq_len={self.seq_len}")
-        return num_tokens // self.seq_len
+
+def input_error(cfg: RouterConfig, num_tokens: int) -> Optional[str]:
+    """What is wrong with routing ``num_tokens`` tokens under ``cfg`` (None: fine), for a
+    caller to raise on every rank before any collective."""
+    if cfg.seq_len is not None and (cfg.aux_loss == "seq" or cfg.expert_capacity is not None):
+        if num_tokens % cfg.seq_len:
+            return f"{num_tokens} tokens are not a whole number of sequences of seq_len={cfg.seq_len}"
+    return None
 
 
 class TopKRouter(nn.Module):
@@ -270,6 +136,9 @@ class TopKRouter(nn.Module):
                 raise ValueError(f"TopKRouter(hidden={hidden!r}) needs num_experts (or pass a RouterConfig)")
             cfg = RouterConfig(hidden, num_experts, k, **options)
         self.config = cfg
+        # Why the Triton kernel cannot route this config, in eval and in training ("": it can),
+        # decided once: the forward only looks it up.
+        self._kernel_gaps = (cfg.kernel_gap(training=False), cfg.kernel_gap(training=True))
         num_experts, hidden = cfg.num_experts, cfg.hidden
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32))
         self.bias = nn.Parameter(torch.empty(num_experts, dtype=torch.float32)) if cfg.bias else None
@@ -359,7 +228,7 @@ class TopKRouter(nn.Module):
         cfg = self.config
         if cfg.use_kernel is not None:
             return cfg.use_kernel   # True was checked against kernel_gap() at construction
-        return logits_TE.is_cuda and not cfg.kernel_gap(self.training)
+        return logits_TE.is_cuda and not self._kernel_gaps[self.training]
 
     def _route(self, logits_TE: torch.Tensor, stats_group, defer_checks: bool, replay, count: bool,
                comm_stats=None) -> Routing:
@@ -376,7 +245,7 @@ class TopKRouter(nn.Module):
             # Gumbel(0, 1) on the logits used for selection: sampling without replacement.
             u = torch.rand_like(logits_TE).clamp_min(torch.finfo(torch.float32).tiny)
             noise_TE = -torch.log(-torch.log(u))
-        args = (logits_TE, cfg.k, cfg.score_func, self.expert_bias, cfg.normalize, cfg.scaling_factor)
+        args = (logits_TE, cfg.k, cfg.score_func, self.expert_bias, normalizes(cfg), cfg.scaling_factor)
         scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
         if noise_TE is None and replay is None and self._use_kernel(logits_TE):
             ids_TK, w_TK, hist_E = _rk.routing(*args)
@@ -384,11 +253,11 @@ class TopKRouter(nn.Module):
             # The reference reuses the scores (one softmax, one backward through it) and bad_T;
             # a replay gives it the forward's ids instead of selecting.
             ids_TK, w_TK, hist_E = _rk.routing_reference(
-                *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, group_topn=cfg.group_topn,
+                *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, group_topn=group_topn(cfg),
                 selection_noise_TE=noise_TE,
                 scores_TE=scores_TE if cfg.score_func != "softmax_after_topk" else None, bad_T=bad_T,
                 ids_TK=None if replay is None else replay.ids_TK)
-        capacity = cfg.capacity(T, self.training)
+        capacity = capacity_of(cfg, T, self.training)
         if capacity is None:
             dropped_TK = torch.zeros_like(ids_TK, dtype=torch.bool)
             kept_E = hist_E

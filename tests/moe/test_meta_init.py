@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import moepar
-from moepar.moe.layer_options import copy_local
+from moepar.parallel.fsdp import copy_local
 from moepar.parallel.groups import ParallelState
 
 from ..helpers.multiproc import run_ranks

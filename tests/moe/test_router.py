@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moepar.moe.router import Routing, RouterConfig, TopKRouter
+from moepar.moe.router import Routing, RouterConfig, TopKRouter, capacity_of, normalizes
 from moepar_kernels import routing as rk
 
 from ..helpers.multiproc import run_ranks
@@ -74,7 +74,7 @@ def test_expert_bias_selects_but_never_weights(score_func):
     r.expert_bias.copy_(torch.tensor([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 5.0, -5.0]))
     logits = torch.randn(T, E, requires_grad=True)
     out = r.route_logits(logits)
-    ids, w = slow_route(logits, k, score_func, r.config.normalize, 1.0, r.expert_bias)
+    ids, w = slow_route(logits, k, score_func, normalizes(r.config), 1.0, r.expert_bias)
     assert torch.equal(out.expert_ids, ids)
     assert bool((out.expert_ids == 6).any(dim=1).all()) and not bool((out.expert_ids == 7).any())
     torch.testing.assert_close(out.weights, w, atol=1e-6, rtol=1e-5)
@@ -131,7 +131,7 @@ def test_group_limited_routing_matches_slow(score_func, expert_bias):
     with torch.no_grad():
         logits[0] = 0.5                          # all equal: groups 0, 1 -> experts 0,1,2,3
     out = r.route_logits(logits)
-    ids, w = slow_route(logits, k, score_func, r.config.normalize, 1.0, r.expert_bias, groups=(G, M))
+    ids, w = slow_route(logits, k, score_func, normalizes(r.config), 1.0, r.expert_bias, groups=(G, M))
     assert torch.equal(out.expert_ids, ids)
     groups_used = (out.expert_ids // (E // G))
     assert all(len(set(row)) <= M for row in groups_used.tolist())
@@ -228,11 +228,11 @@ def test_capacity_probs_ties_fall_back_to_position():
 
 def test_capacity_formula_and_eval_factor():
     cfg = RouterConfig(4, 4, 2, capacity_factor=0.5, min_capacity=1, eval_capacity_factor=2.0)
-    assert cfg.capacity(6, True) == 2 and cfg.capacity(6, False) == 6
-    assert RouterConfig(4, 4, 2, capacity_factor=1.0).capacity(6, True) == 4          # min_capacity
-    assert RouterConfig(4, 4, 1, capacity_factor=1.1, min_capacity=0).capacity(10, True) == 3
-    assert RouterConfig(4, 4, 2, capacity_factor=1.0, min_capacity=0).capacity(6, True) == 3  # exact
-    assert RouterConfig(4, 4, 2).capacity(6, True) is None
+    assert capacity_of(cfg, 6, True) == 2 and capacity_of(cfg, 6, False) == 6
+    assert capacity_of(RouterConfig(4, 4, 2, capacity_factor=1.0), 6, True) == 4          # min_capacity
+    assert capacity_of(RouterConfig(4, 4, 1, capacity_factor=1.1, min_capacity=0), 10, True) == 3
+    assert capacity_of(RouterConfig(4, 4, 2, capacity_factor=1.0, min_capacity=0), 6, True) == 3  # exact
+    assert capacity_of(RouterConfig(4, 4, 2), 6, True) is None
     r = TopKRouter(2, 4, 2, capacity_factor=0.5, min_capacity=1, eval_capacity_factor=2.0)
     assert r.route_logits(CAP_LOGITS).dropped.any()
     r.eval()

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from moepar.moe import counts_message
 
 from moepar.moe.dedup import dedup_rows
+from moepar.moe.router import capacity_of
 from moepar.moe.traffic import LayerShape, layer_collectives
 from moepar.parallel import init_parallel
 
@@ -51,7 +52,7 @@ def _run(name):
     L, E = moe.num_local_experts, moe.num_experts
     load = moe.stats.load
     if moe.pad_to_capacity:
-        capacity = moe.router.config.capacity(x.shape[0], True)
+        capacity = capacity_of(moe.router.config, x.shape[0], True)
         rows = received = E // ep * capacity * ep    # every slot of every expert, each way
     elif kw.get("dedup") == "on":
         routing = moe.router(x.detach())
