@@ -40,9 +40,9 @@ class GPTConfig:
     z_loss_coeff: float = 1e-3
     sequence_parallel: bool = False
     checkpoint_activations: bool = False
-    cpu_source_major: bool = False  # MoEConfig.cpu_source_major: a CPU/gloo-only speed option
-    dispatch_dtype: str | None = None   # MoEConfig.dispatch_dtype: "fp8" for FP8 dispatch rows
-    redundant_experts: int = 0   # MoEConfig.redundant_experts: copies of hot experts (moepar.rebalance)
+    cpu_source_major: bool = False  # ExchangeConfig.cpu_source_major: a CPU/gloo-only speed option
+    dispatch_dtype: str | None = None   # ExchangeConfig.dispatch_dtype: "fp8" for FP8 dispatch rows
+    redundant_experts: int = 0   # ExchangeConfig.redundant_experts: copies of hot experts (moepar.rebalance)
     init_seed: int = 1234
 
     def __post_init__(self):

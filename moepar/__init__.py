@@ -21,8 +21,8 @@ __version__ = "0.1.0"
 # public name -> the module defining it (":attr" where the module calls it otherwise)
 _NAMES = {
     "MoE": ".moe.layer", "MoEStats": ".moe.stats", "aux_loss": ".moe.layer",
-    "MoEConfig": ".moe.config",
-    "RouterConfig": ".moe.router", "Routing": ".moe.router", "TopKRouter": ".moe.router",
+    "MoEConfig": ".moe.config", "ExchangeConfig": ".moe.config", "HFOptions": ".moe.config",
+    "RouterConfig": ".moe.config", "Routing": ".moe.router", "TopKRouter": ".moe.router",
     "GroupedExperts": ".moe.experts",
     "LoadReport": ".moe.load_report", "load_report": ".moe.load_report",
     "rebalance": ".moe.rebalance", "Rebalanced": ".moe.rebalance", "placement_state": ".moe.rebalance",
@@ -34,7 +34,7 @@ _NAMES = {
         "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "Pipeline")},
     "init_distributed": ".parallel.faults", "CollectiveError": ".parallel.faults",
 }
-__all__ = ["MoE", "MoEConfig", "RouterConfig", "MoEStats", "aux_loss", "load_report", "LoadReport", "rebalance",
+__all__ = ["MoE", "MoEConfig", "RouterConfig", "ExchangeConfig", "HFOptions", "MoEStats", "aux_loss", "load_report", "LoadReport", "rebalance",
            "Rebalanced", "placement_state", "load_placement_state", "TopKRouter",
            "Routing", "GroupedExperts", "ColumnParallelLinear", "ParallelState", "RowParallelLinear",
            "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",

@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     state = moepar.init_parallel(1, int(os.environ["WORLD_SIZE"]), 1, seed=args.seed, verbose=False)
     ep = state.ep_size
     for R in Rs:   # the layer's rules, on every rank before any collective
-        moepar.MoEConfig(args.hidden, args.experts, ep, redundant_experts=R)
+        moepar.MoEConfig(args.hidden, args.experts, ep, exchange=moepar.ExchangeConfig(redundant_experts=R))
     runs = {}
     for R in Rs:
         model = Stack(args, ep, R, state)

@@ -70,7 +70,7 @@ class MoESpec:
     dedup: str = "auto"                    # one dispatch row per token and EP rank: auto | on | off
     dispatch_dtype: str | None = None      # dispatch all-to-alls' rows (default: fp8 for dtype fp8, else dtype)
     combine_dtype: str | None = None       # combine all-to-alls' rows (default: bf16 for dtype fp8, else dtype)
-    combine_grad_dtype: str | None = None  # "fp8": the combine's gradient too (MoEConfig.combine_grad_dtype)
+    combine_grad_dtype: str | None = None  # "fp8": the combine's gradient too (ExchangeConfig.combine_grad_dtype)
     # -- real architectures (moepar.cost.architectures reads them from a HF config.json) --
     dense_layers: int = 0                  # of ``layers``, blocks with a dense FFN (first-k dense, sparse step)
     dense_ffn: int | None = None           # their FFN width (default: ffn)

@@ -1,13 +1,14 @@
-"""``MoEConfig`` and the ``RouterConfig`` it nests: every option of the MoE layer, validated
-and documented in one place (the components read them; nothing validates them again).
+"""``MoEConfig`` and the groups it nests (``RouterConfig``, ``ExchangeConfig``, ``HFOptions``):
+every option of the MoE layer, validated and documented in one place (the components read
+them; nothing validates them again).
 
-``MoE(hidden, num_experts, ep_size, config=None, **options)`` only fills this object: each
-keyword option is routed by name, to ``MoEConfig`` when it is one of its fields, else to
-the nested ``RouterConfig`` (its options' meaning: ``moepar.moe.router.TopKRouter``) when it is one of that one's, else
-it is refused with the list of valid names. A new ``RouterConfig`` field therefore works
-through ``MoE(...)`` with no edit here. A name both configs have (``bias``: the experts'
-FFN biases here, the gate's there) goes to ``MoEConfig``; set the router's through
-``MoEConfig(router=RouterConfig(...))``.
+``MoE(hidden, num_experts, ep_size, config=None, **options)`` only fills these objects: each
+keyword option is routed by name, to ``MoEConfig`` when it is one of its own fields, else to
+the nested group that has it (``GROUPS``; the router options' meaning is in
+``moepar.moe.router.TopKRouter``), else it is refused with the list of valid names. A new
+field of a group therefore works through ``MoE(...)`` with no edit here. A name the layer
+and a group both have (``bias``: the experts' FFN biases here, the gate's in the router)
+goes to the layer; set the router's through ``MoEConfig(router=RouterConfig(...))``.
 """
 from __future__ import annotations
 
@@ -162,8 +163,7 @@ class RouterConfig:
 
 
 DEDUP_MODES = ("off", "auto", "on")
-DISPATCH_DTYPES = (None, "fp8")
-COMBINE_GRAD_DTYPES = (None, "fp8")
+WIRE_DTYPES = (None, "fp8")
 AUX_LOSS_SCOPES = ("local", "global")
 # Old keyword names that still work: name -> field.
 ALIASES = {"use_kernels": "use_kernel"}
@@ -172,8 +172,111 @@ _ROUTER_OWNED = ("hidden", "num_experts", "init_seed", "init_std")
 
 
 @dataclasses.dataclass(frozen=True)
+class ExchangeConfig:
+    """How routes travel between ranks, and what the exchange does about load imbalance
+    (``MoEConfig.exchange``; the dispatcher's options).
+
+    dedup: "off" | "auto" | "on": one token row per destination EP rank instead of one per
+        route (``moepar.moe.dedup``); "auto" uses it when the EP group's rows are at most
+        ``DEDUP_MAX_FRACTION`` of its routes (measured there).
+    cpu_source_major: opt-in, for CPU training over gloo: leave the received token rows
+        source-major instead of regrouping them by expert (``moepar.moe.cpu``; the EP group
+        uses it only if every rank allows it). No effect on CUDA tensors.
+    check_finite: refuse non-finite inputs: every rank of the layer's block raises (the count
+        of non-finite values travels in the counts exchange; a layer with no exchange, one
+        rank or padded capacity mode, reads it back on its own: one host read).
+    overlap_shared_experts: compute the shared experts while the dispatch all-to-all is in
+        flight (False: after the combine; the same numbers either way).
+    dispatch_dtype: None (the rows cross the dispatch all-to-all in the compute dtype) or
+        "fp8": float8_e4m3fn with one fp32 scale per 128 channels, dequantized on arrival;
+        the combine and the backward stay in the compute dtype (``moepar.moe.fp8``).
+    combine_grad_dtype: None (the backward's gradient of the combined rows goes back to the
+        experts' ranks in the compute dtype) or "fp8": quantized as the dispatch's rows are,
+        as DeepSeek-V3 does for the gradient entering the down-projection's backward.
+    receive_capacity_factor: None (no guard) or a finite f >= 1: no EP rank processes more
+        than cap = ceil(f x mean) received rows, mean = the EP group's routes / ep. An
+        over-full rank's cap is shared over its (sender, local expert) cells in proportion to
+        their routes (largest remainder, ties to the lower sender, then expert), and each
+        sender drops, per cell, its lowest-weight routes past the share (ties: the later in
+        slot-major order). Every rank computes the same quotas from the counts exchange (no
+        extra collective); the dropped routes weigh 0 and are counted in ``moe.stats``
+        (``moepar.moe.guard``). Dropless mode only; dedup is used only in steps where the
+        guard cuts nothing.
+    redundant_experts: R extra expert slots per EP group (default 0), R/ep per rank, holding
+        copies of the hottest experts (``moepar.moe.replicas``): the routes to a replicated
+        expert are split among its copies as the placement planned, the copies' weights come
+        from the expert's owner each forward and their gradients go back to it, so the layer
+        computes what the unreplicated one does. The slot map starts uniform;
+        ``moepar.rebalance(model)`` re-plans it from the measured load. R must be divisible
+        by ep and at most E x (ep - 1) (one copy of an expert per rank); dropless mode only.
+    """
+
+    dedup: str = "auto"
+    cpu_source_major: bool = False
+    check_finite: bool = False
+    overlap_shared_experts: bool = True
+    dispatch_dtype: Optional[str] = None
+    combine_grad_dtype: Optional[str] = None
+    receive_capacity_factor: Optional[float] = None
+    redundant_experts: int = 0
+
+    def __post_init__(self) -> None:
+        checks.one_of("dedup", self.dedup, DEDUP_MODES)
+        checks.one_of("dispatch_dtype", self.dispatch_dtype, WIRE_DTYPES)
+        checks.one_of("combine_grad_dtype", self.combine_grad_dtype, WIRE_DTYPES)
+        for name in ("cpu_source_major", "check_finite", "overlap_shared_experts"):
+            checks.boolean(name, getattr(self, name))
+        check_receive_capacity_factor(self.receive_capacity_factor)
+        checks.int_at_least("redundant_experts", self.redundant_experts, 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class HFOptions:
+    """Options that Hugging Face MoE families need (``MoEConfig.hf``; ``moepar.hf``, docs/hf.md).
+
+    shared_expert_gate: Qwen2-MoE's gate: the shared experts' output scaled per token by
+        sigmoid(x . w_gate), w_gate [1, D] at ``moe.shared.gate.weight``; needs
+        num_shared_experts >= 1.
+    router_bias: a trainable bias on the router's logits (``RouterConfig.bias``, which the
+        keyword ``bias`` cannot reach: that one is the experts'); either turns it on.
+    score_before_experts: Llama 4: each route's input row is scaled by its routing weight
+        before the expert FFN and the outputs are summed with weight 1,
+        y_t = sum_k expert_k(w_tk * x_t); the weights still get their gradient through the
+        scaling. Every route then travels as its own row ([T*K, D] scaled rows; no dedup
+        gain; without sequence parallelism the TP all-gathers of the outputs and of dX carry
+        T*K rows instead of T).
+    activation_limit, activation_alpha: "clamped_swiglu" (GPT-OSS):
+        a = (clamp(h3, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(h1, max=limit),
+        h1 = x w1 + b1 (gate), h3 = x w3 + b3 (up); finite numbers > 0. Routed experts only:
+        shared experts take every other activation.
+    """
+
+    shared_expert_gate: bool = False
+    router_bias: bool = False
+    score_before_experts: bool = False
+    activation_limit: float = 7.0
+    activation_alpha: float = 1.702
+
+    def __post_init__(self) -> None:
+        for name in ("shared_expert_gate", "router_bias", "score_before_experts"):
+            checks.boolean(name, getattr(self, name))
+        for name in ("activation_limit", "activation_alpha"):
+            checks.finite(name, getattr(self, name), above=0)
+
+
+# MoEConfig's nested groups: field name -> its config class (the keyword options' routing).
+GROUPS = {"router": RouterConfig, "exchange": ExchangeConfig, "hf": HFOptions}
+
+
+@dataclasses.dataclass(frozen=True)
 class MoEConfig:
-    """Options of one MoE layer (frozen; build a changed copy with ``dataclasses.replace``).
+    """Options of one MoE layer (frozen; build a changed copy with ``dataclasses.replace``),
+    in groups: the layer's own fields below, then ``router`` (``RouterConfig``: k,
+    score_func, capacity_factor, aux_loss, ...; its ``hidden``/``num_experts``/``init_seed``/
+    ``init_std`` are the layer's), ``exchange`` (``ExchangeConfig``: dedup, FP8 rows,
+    receive guard, redundant experts, ...) and ``hf`` (``HFOptions``: the Hugging Face
+    families' variants). Each group validates its own fields; this class the rules that
+    span groups.
 
     Layer shape and layout:
         hidden, num_experts: D and E. ep_size: expert-parallel group size (must match the
@@ -196,67 +299,14 @@ class MoEConfig:
         dtype: expert parameter dtype (default: torch's default dtype).
         init_seed, init_std: weight init (seed drawn from the default RNG when None, the
         same on every rank since init_parallel seeds it alike; also the router's).
-    Exchange:
-        dedup: "off" | "auto" | "on": one token row per destination EP rank instead of one
-        per route (``moepar.moe.dedup``); "auto" uses it when the EP group's rows are at
-        most ``DEDUP_MAX_FRACTION`` of its routes (measured there).
-        cpu_source_major: opt-in, for CPU training over gloo: leave the received token rows
-        source-major instead of regrouping them by expert (``moepar.moe.cpu``; the EP group
-        uses it only if every rank allows it). No effect on CUDA tensors.
-        check_finite: refuse non-finite inputs: every rank of the layer's block raises (the
-        count of non-finite values travels in the counts exchange; a layer with no exchange,
-        one rank or padded capacity mode, reads it back on its own: one host read).
-        overlap_shared_experts: compute the shared experts while the dispatch all-to-all is in
-        flight (False: after the combine; the same numbers either way).
-        dispatch_dtype: None (the rows cross the dispatch all-to-all in the compute dtype) or
-        "fp8": float8_e4m3fn with one fp32 scale per 128 channels, dequantized on arrival;
-        the combine and the backward stay in the compute dtype (``moepar.moe.fp8``); the
-        shared experts overlap the FP8 exchange as they do the compute-dtype one.
-        combine_grad_dtype: None (the backward's gradient of the combined rows goes back to
-        the experts' ranks in the compute dtype) or "fp8": quantized as the dispatch's rows
-        are, as DeepSeek-V3 does for the gradient entering the down-projection's backward.
-    Load imbalance:
-        receive_capacity_factor: None (no guard) or a finite f >= 1: no EP rank processes
-        more than cap = ceil(f x mean) received rows, mean = the EP group's routes / ep. An
-        over-full rank's cap is shared over its (sender, local expert) cells in proportion
-        to their routes (largest remainder, ties to the lower sender, then expert), and
-        each sender drops, per cell, its lowest-weight routes past the share (ties: the
-        later in slot-major order). Every rank computes the same quotas from the counts
-        exchange (no extra collective); the dropped routes weigh 0 and are counted in
-        ``moe.stats`` (``moepar.moe.guard``). Dropless mode only (not with pad_to_capacity);
-        dedup is used only in steps where the guard cuts nothing.
-        redundant_experts: R extra expert slots per EP group (default 0), R/ep per rank,
-        holding copies of the hottest experts (``moepar.moe.replicas``): the routes to a
-        replicated expert are split among its copies as the placement planned, the copies'
-        weights come from the expert's owner each forward and their gradients go back to
-        it, so the layer computes what the unreplicated one does. The slot map starts
-        uniform; ``moepar.rebalance(model)`` re-plans it from the measured load. R must be
-        divisible by ep and at most E x (ep - 1) (one copy of an expert per rank); dropless
-        mode only (not with pad_to_capacity).
-    Routing: ``router`` (``RouterConfig``: k, score_func, capacity_factor, aux_loss, ...);
-        its ``hidden``/``num_experts``/``init_seed``/``init_std`` are the layer's.
-    Hugging Face families' options (``moepar.hf``, docs/hf.md):
-        shared_expert_gate: Qwen2-MoE's gate: the shared experts' output scaled per token by
-        sigmoid(x . w_gate), w_gate [1, D] at ``moe.shared.gate.weight``; needs
-        num_shared_experts >= 1.
-        router_bias: a trainable bias on the router's logits (``RouterConfig.bias``, which
-        the keyword ``bias`` cannot reach: that one is the experts'); either turns it on.
-        score_before_experts: Llama 4: each route's input row is scaled by its routing
-        weight before the expert FFN and the outputs are summed with weight 1,
-        y_t = sum_k expert_k(w_tk * x_t); the weights still get their gradient through the
-        scaling. Every route then travels as its own row ([T*K, D] scaled rows; no dedup
-        gain; without sequence parallelism the TP all-gathers of the outputs and of dX carry
-        T*K rows instead of T).
-        activation_limit, activation_alpha: "clamped_swiglu" (GPT-OSS):
-        a = (clamp(h3, -limit, limit) + 1) * g * sigmoid(alpha * g), g = clamp(h1, max=limit),
-        h1 = x w1 + b1 (gate), h3 = x w3 + b3 (up); finite numbers > 0. Routed experts only:
-        shared experts take every other activation.
     """
 
     hidden: int
     num_experts: int
     ep_size: int = 1
     router: Optional[RouterConfig] = None
+    exchange: ExchangeConfig = dataclasses.field(default_factory=ExchangeConfig)
+    hf: HFOptions = dataclasses.field(default_factory=HFOptions)
     ffn_hidden: Optional[int] = None
     activation: str = "gelu"
     bias: bool = False
@@ -270,21 +320,6 @@ class MoEConfig:
     dtype: Optional[torch.dtype] = None
     init_seed: Optional[int] = None
     init_std: Optional[float] = None
-    dedup: str = "auto"
-    cpu_source_major: bool = False
-    check_finite: bool = False
-    overlap_shared_experts: bool = True
-    dispatch_dtype: Optional[str] = None
-    combine_grad_dtype: Optional[str] = None
-    # Load imbalance: the receive guard (moepar/moe/guard.py).
-    receive_capacity_factor: Optional[float] = None
-    redundant_experts: int = 0
-    # Hugging Face families' options (docstring above)
-    shared_expert_gate: bool = False
-    router_bias: bool = False
-    score_before_experts: bool = False
-    activation_limit: float = 7.0
-    activation_alpha: float = 1.702
 
     def __post_init__(self) -> None:
         for name, lo in (("hidden", 1), ("num_experts", 1), ("ep_size", 1), ("expert_tensor_parallel_size", 1),
@@ -299,19 +334,19 @@ class MoEConfig:
             raise ValueError(f"ffn_hidden={self.ffn} is not divisible by "
                              f"expert_tensor_parallel_size={self.expert_tensor_parallel_size}")
         for name, allowed in (("activation", ACTIVATIONS), ("aux_loss_scope", AUX_LOSS_SCOPES),
-                              ("gemm_path", GEMM_PATHS), ("dedup", DEDUP_MODES),
-                              ("dispatch_dtype", DISPATCH_DTYPES), ("combine_grad_dtype", COMBINE_GRAD_DTYPES)):
+                              ("gemm_path", GEMM_PATHS)):
             checks.one_of(name, getattr(self, name), allowed)
-        for name in ("bias", "sequence_parallel", "recompute_experts", "cpu_source_major", "check_finite",
-                     "overlap_shared_experts", "shared_expert_gate", "router_bias", "score_before_experts"):
+        for name in ("bias", "sequence_parallel", "recompute_experts"):
             checks.boolean(name, getattr(self, name))
-        self._check_hf_options()
         if self.dtype is not None and not (isinstance(self.dtype, torch.dtype) and self.dtype.is_floating_point):
             raise ValueError(f"dtype={self.dtype!r} must be None or a floating-point torch.dtype")
         if self.init_std is not None and not (isinstance(self.init_std, (int, float)) and self.init_std > 0):
             raise ValueError(f"init_std={self.init_std!r} must be None or > 0")
         if self.init_seed is not None:
             checks.int_at_least("init_seed", self.init_seed, 0)
+        for name in ("exchange", "hf"):
+            if not isinstance(getattr(self, name), GROUPS[name]):
+                raise ValueError(f"{name}={getattr(self, name)!r} must be a {GROUPS[name].__name__}")
         router = self.router
         if router is None:   # the layer handles non-finite inputs itself (check_finite)
             router = RouterConfig(self.hidden, self.num_experts, nonfinite="propagate")
@@ -320,18 +355,17 @@ class MoEConfig:
         if (router.hidden, router.num_experts) != (self.hidden, self.num_experts):
             raise ValueError(f"router has hidden={router.hidden}, num_experts={router.num_experts} but the "
                              f"layer hidden={self.hidden}, num_experts={self.num_experts}")
-        check_receive_capacity_factor(self.receive_capacity_factor)
-        if self.receive_capacity_factor is not None and router.pad_to_capacity:
-            raise ValueError(f"receive_capacity_factor={self.receive_capacity_factor!r} needs dropless dispatch: "
-                             f"pad_to_capacity=True already gives every rank the same rows")
-        self._check_redundant_experts(router)
+        self._check_across_groups(router)
         object.__setattr__(self, "router", dataclasses.replace(router, init_seed=self.init_seed,
                                                                init_std=self.init_std,
-                                                               bias=router.bias or self.router_bias))
+                                                               bias=router.bias or self.hf.router_bias))
 
-    def _check_redundant_experts(self, router: RouterConfig) -> None:
-        R, E, ep = self.redundant_experts, self.num_experts, self.ep_size
-        checks.int_at_least("redundant_experts", R, 0)
+    def _check_across_groups(self, router: RouterConfig) -> None:
+        x, hf = self.exchange, self.hf
+        if x.receive_capacity_factor is not None and router.pad_to_capacity:
+            raise ValueError(f"receive_capacity_factor={x.receive_capacity_factor!r} needs dropless dispatch: "
+                             f"pad_to_capacity=True already gives every rank the same rows")
+        R, E, ep = x.redundant_experts, self.num_experts, self.ep_size
         if R % ep:
             raise ValueError(f"redundant_experts={R} is not divisible by ep_size={ep} "
                              "(every EP rank holds the same number of extra slots)")
@@ -341,18 +375,13 @@ class MoEConfig:
         if R and router.pad_to_capacity:
             raise ValueError(f"redundant_experts={R} needs dropless dispatch: pad_to_capacity=True sizes "
                              "every expert's rows by the router's capacity, which copies would split")
-
-    def _check_hf_options(self) -> None:
-        """The Hugging Face families' options (shared_expert_gate ... activation_alpha)."""
-        if self.shared_expert_gate and not self.num_shared_experts:
+        if hf.shared_expert_gate and not self.num_shared_experts:
             raise ValueError(f"shared_expert_gate=True needs num_shared_experts >= 1 (it gates their output), "
                              f"got num_shared_experts={self.num_shared_experts}")
         if self.num_shared_experts and self.activation == "clamped_swiglu":
             raise ValueError(f"activation='clamped_swiglu' is for the routed experts only, but "
                              f"num_shared_experts={self.num_shared_experts}; shared experts take any other "
                              f"activation (e.g. 'swiglu')")
-        for name in ("activation_limit", "activation_alpha"):
-            checks.finite(name, getattr(self, name), above=0)
 
     @property
     def ffn(self) -> int:
@@ -365,37 +394,42 @@ class MoEConfig:
         return self.shared_ffn_hidden or self.ffn * self.num_shared_experts
 
 
-def option_names() -> tuple[list[str], list[str]]:
-    """(MoEConfig options, RouterConfig options) that ``MoE(...)`` accepts as keywords."""
-    moe = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in ("hidden", "num_experts", "router")]
-    router = [f.name for f in dataclasses.fields(RouterConfig) if f.name not in _ROUTER_OWNED and f.name not in moe]
-    return moe, router
+def option_names() -> dict[str, list[str]]:
+    """The keyword options ``MoE(...)`` accepts, by where they go: "layer" (``MoEConfig``'s
+    own fields), then each group of ``GROUPS``. A name the layer and a group share (``bias``)
+    is the layer's; the router's fields the layer sets itself are not options."""
+    layer = [f.name for f in dataclasses.fields(MoEConfig) if f.name not in ("hidden", "num_experts", *GROUPS)]
+    names = {"layer": layer}
+    for group, cls in GROUPS.items():
+        names[group] = [f.name for f in dataclasses.fields(cls) if f.name not in _ROUTER_OWNED and f.name not in layer]
+    return names
 
 
 def make_config(hidden: int, num_experts: int, ep_size: int = 1, config: MoEConfig | None = None,
                 **options) -> MoEConfig:
     """A ``MoEConfig`` from ``config`` (or the defaults) with ``options`` applied, each routed
-    by field name to the layer or the router config; an unknown name raises ValueError."""
-    moe_names, router_names = option_names()
-    moe_kw: dict[str, Any] = {}
-    router_kw: dict[str, Any] = {}
+    by field name to the layer or to the group that has it; an unknown name raises ValueError."""
+    names = option_names()
+    where = {name: group for group, fields in names.items() for name in fields}
+    kw: dict[str, dict[str, Any]] = {group: {} for group in names}
     for given, value in options.items():
         name = ALIASES.get(given, given)
-        if name in moe_names:
-            moe_kw[name] = value
-        elif name in router_names:
-            router_kw[name] = value
-        else:
-            raise ValueError(f"unknown MoE option {given!r}; valid options: {sorted(moe_names + router_names)}")
+        if name not in where:
+            raise ValueError(f"unknown MoE option {given!r}; valid options: {sorted(where)}")
+        kw[where[name]][name] = value
+    layer_kw = kw.pop("layer")
     if config is None:
-        router = RouterConfig(hidden, num_experts, **{"nonfinite": "propagate", **router_kw})
-        return MoEConfig(hidden, num_experts, ep_size, router=router, **moe_kw)
+        kw["router"] = {"nonfinite": "propagate", **kw["router"]}
+        groups = {"router": RouterConfig(hidden, num_experts, **kw["router"]),
+                  **{g: GROUPS[g](**kw[g]) for g in ("exchange", "hf")}}
+        return MoEConfig(hidden, num_experts, ep_size, **groups, **layer_kw)
     if not isinstance(config, MoEConfig):
         raise ValueError(f"config={config!r} must be a MoEConfig")
     if (config.hidden, config.num_experts, config.ep_size) != (hidden, num_experts, ep_size):
         raise ValueError(f"MoE(hidden={hidden}, num_experts={num_experts}, ep_size={ep_size}) disagrees with "
                          f"config (hidden={config.hidden}, num_experts={config.num_experts}, "
                          f"ep_size={config.ep_size})")
-    if router_kw:
-        moe_kw["router"] = dataclasses.replace(config.router, **router_kw)
-    return dataclasses.replace(config, **moe_kw) if moe_kw else config
+    for group, fields in kw.items():
+        if fields:
+            layer_kw[group] = dataclasses.replace(getattr(config, group), **fields)
+    return dataclasses.replace(config, **layer_kw) if layer_kw else config

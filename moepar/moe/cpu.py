@@ -6,7 +6,7 @@ CPU tensors only).
 Source-major rows. The token all-to-all delivers block s from EP peer s, inside it the
 peer's rows for each local expert; the grouped GEMM wants each local expert's rows
 contiguous, which costs a gather of the received rows and its inverse on the way back. On
-gloo with CPU tensors, when the layer opts in (``MoEConfig.cpu_source_major``, off by
+gloo with CPU tensors, when the layer opts in (``ExchangeConfig.cpu_source_major``, off by
 default) and every rank of the EP group does, the rows are instead left as they arrive and the experts run each
 (peer, local expert) block on the expert's weights (GroupedExperts' ``segment_experts``):
 ``bench dispatch`` measured the dispatch + combine 1.5-2.5x faster than with the regroup

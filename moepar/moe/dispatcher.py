@@ -96,7 +96,8 @@ class Dispatcher:
         self.ep = comm.group_size(self.ep_group)
         if self.ep != config.ep_size:
             raise ValueError(f"the EP group has {self.ep} ranks but config.ep_size={config.ep_size}")
-        self.num_experts = config.num_experts + config.redundant_experts   # slots: what the exchange moves
+        # slots: what the exchange moves (E + R with redundant experts)
+        self.num_experts = config.num_experts + config.exchange.redundant_experts
         self.num_local = self.num_experts // self.ep
         self.columns = msg.columns(self.num_experts, self.ep)   # the counts row's layout, fixed per layer
 
@@ -111,8 +112,9 @@ class Dispatcher:
         return Topology.of_ep_group(self._ep_group)
 
     def _call(self) -> Call:
-        return Call(self.topology(), self.num_experts, self.stats, fp8=self.config.dispatch_dtype == "fp8",
-                    fp8_grad=self.config.combine_grad_dtype == "fp8")
+        x = self.config.exchange
+        return Call(self.topology(), self.num_experts, self.stats, fp8=x.dispatch_dtype == "fp8",
+                    fp8_grad=x.combine_grad_dtype == "fp8")
 
     # ---- dispatch ---------------------------------------------------------------------
     def dispatch(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
@@ -136,15 +138,16 @@ class Dispatcher:
         layer's differ when every route travels as its own row).
         """
         problem = _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, self.num_experts, capacity)
-        if problem is None and self.config.router.pad_to_capacity != (capacity is not None):
-            problem = (f"capacity={capacity} but this dispatcher was built with pad_to_capacity={self.config.router.pad_to_capacity}: padded "
+        padded = self.config.router.pad_to_capacity
+        if problem is None and padded != (capacity is not None):
+            problem = (f"capacity={capacity} but this dispatcher was built with pad_to_capacity={padded}: padded "
                        f"capacity mode takes the router's capacity, dropless mode none")
         if error is not None or problem is not None:   # tell the block first (it waits in the counts exchange)
             ok = isinstance(x_TD, torch.Tensor)
             self.abort(error or f"MoE dispatch: {problem}", int(x_TD.shape[-1]) if ok and x_TD.dim() else 0,
                        x_TD.dtype if ok else torch.float32, x_TD.device if ok else torch.device("cpu"))
         call = self._call()
-        if self.config.router.pad_to_capacity:
+        if padded:
             _check_alone(flags, call, self.num_experts)
             return Dispatched(*FORMS["padded"].dispatch(call, x_TD, expert_ids_TK, dropped_TK, weights_TK,
                                                         capacity, during))
@@ -186,7 +189,8 @@ class Dispatcher:
         vote = self._dedup_vote(call, routes.expert_ids_TK)
         x = routes.x_TD
         # A CUDA tensor never enters cpu.py: source-major rows pay only on gloo.
-        on_cpu = self.config.cpu_source_major and x.device.type == "cpu" and call.topo.etp == 1 and call.topo.ep > 1
+        on_cpu = (self.config.exchange.cpu_source_major and x.device.type == "cpu" and call.topo.etp == 1
+                  and call.topo.ep > 1)
         forms = SOURCE_MAJOR if on_cpu and cpu.source_major_pays(call.topo.ep_group, L) else 0
         contribution = Contribution(
             counts_E=counts_E, hidden=x.shape[1], dtype=dtype_code(x.dtype), tokens=tokens, forms=forms,
@@ -194,7 +198,7 @@ class Dispatcher:
             dedup_P=dedup_rows(routes.expert_ids_TK, routes.dropped_TK, L, call.topo.ep) if vote else None)
         rows_dev, host = exchange(contribution, call.topo, self.columns, x, self.stats)
         raise_on_bad_input(host, call.topo, self.columns, None)
-        return decide(rows_dev, host, call.topo, self.columns, self.config.receive_capacity_factor)
+        return decide(rows_dev, host, call.topo, self.columns, self.config.exchange.receive_capacity_factor)
 
     def _apply_guard(self, routes: Routes, plan: Plan) -> Routes:
         """Step 3, receive guard: drop this rank's routes past its quotas, lowest routing
@@ -213,10 +217,10 @@ class Dispatcher:
         token, an EP group and no expert TP. "auto" votes off at once where it can never
         apply (a token sends at least one row, so rows/routes >= 1/K)."""
         K = expert_ids_TK.shape[1]
-        if (self.config.dedup == "off" or call.topo.ep == 1 or call.topo.etp > 1 or K < 2
-                or (self.config.dedup == "auto" and 1 / K > DEDUP_MAX_FRACTION)):
+        if (self.config.exchange.dedup == "off" or call.topo.ep == 1 or call.topo.etp > 1 or K < 2
+                or (self.config.exchange.dedup == "auto" and 1 / K > DEDUP_MAX_FRACTION)):
             return 0
-        return DEDUP_VOTES[self.config.dedup]
+        return DEDUP_VOTES[self.config.exchange.dedup]
 
     def abort(self, error: str, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raise ``error`` here and on every rank of the block: a rank whose input is invalid

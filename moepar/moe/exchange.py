@@ -13,7 +13,7 @@ dispatcher (``dispatcher.py``) picks the form from the counts exchange (``Dispat
   one all-to-all-v, the ETP all-gather, a regroup of the received source-major blocks by
   local expert (skipped when there is one block or one local expert: "direct");
 * ``SourceMajorRows``: the same rows left source-major for the experts (``cpu.py``: on gloo
-  with CPU tensors only, opt-in: ``MoEConfig.cpu_source_major``);
+  with CPU tensors only, opt-in: ``ExchangeConfig.cpu_source_major``);
 * ``DedupRows`` (``dedup.py``): one row per token and destination rank plus a side message
   of weights and local ids, expanded by the receiver;
 * ``PaddedRows`` (``padded.py``): capacity slots, every split equal and known without any

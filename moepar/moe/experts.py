@@ -40,7 +40,7 @@ import torch.nn as nn
 
 from .. import checks
 from .activations import GATED, ClampedSwiGLU, Elementwise
-from .config import MoEConfig, RouterConfig
+from .config import HFOptions, MoEConfig, RouterConfig
 from .experts_fn import ExpertsFunction, check_counts, resolve_gemm_path
 from .experts_op import experts_fwd
 from ..parallel.fsdp import copy_local
@@ -124,8 +124,9 @@ class GroupedExperts(nn.Module):
                              f"{config.expert_tensor_parallel_size}")
         self.config, self.shard = config, shard
         # What ExpertsFunction gets: the name, or the clamped SwiGLU's constants (validated there).
-        self._act = (ClampedSwiGLU(config.activation_limit, config.activation_alpha)
-                     if config.activation == "clamped_swiglu" else Elementwise.of(config.activation) or config.activation)
+        act = config.activation
+        self._act = (ClampedSwiGLU(config.hf.activation_limit, config.hf.activation_alpha)
+                     if act == "clamped_swiglu" else Elementwise.of(act) or act)
         self.ffn_local = config.ffn // shard.etp_size
         E, D, Fl = shard.num_local_experts, config.hidden, self.ffn_local
         dtype = config.dtype or torch.get_default_dtype()
@@ -324,7 +325,8 @@ class GroupedExperts(nn.Module):
 
 def _shortcut(num_local_experts: int, hidden: int | None = None, ffn_hidden: int | None = None,
               activation: str = "gelu", bias: bool = False, *, first_expert: int = 0, etp_size: int = 1,
-              etp_rank: int = 0, init_seed: int = 1234, **config) -> tuple[MoEConfig, ExpertShard]:
+              etp_rank: int = 0, init_seed: int = 1234, activation_limit: float = 7.0,
+              activation_alpha: float = 1.702, **config) -> tuple[MoEConfig, ExpertShard]:
     """The keyword form's (config, shard): the experts alone, as a one-rank layer's."""
     shard = ExpertShard(num_local_experts, first_expert, etp_size, etp_rank)
     if hidden is None or ffn_hidden is None:
@@ -335,5 +337,6 @@ def _shortcut(num_local_experts: int, hidden: int | None = None, ffn_hidden: int
     E = first_expert + num_local_experts
     # The experts take no routing options; a k=1 router config fits even one expert.
     cfg = MoEConfig(hidden, E, router=RouterConfig(hidden, E, k=1), ffn_hidden=ffn_hidden, activation=activation,
-                    bias=bias, expert_tensor_parallel_size=etp_size, init_seed=init_seed, **config)
+                    bias=bias, expert_tensor_parallel_size=etp_size, init_seed=init_seed,
+                    hf=HFOptions(activation_limit=activation_limit, activation_alpha=activation_alpha), **config)
     return cfg, shard

@@ -1,4 +1,4 @@
-"""FP8 token dispatch (``MoEConfig.dispatch_dtype="fp8"``), as DeepSeek-V3 trains.
+"""FP8 token dispatch (``ExchangeConfig.dispatch_dtype="fp8"``), as DeepSeek-V3 trains.
 
 Legend (docs/moe.md): T tokens, N rows, D hidden, B = ceil(D / 128) scale blocks per row.
 
@@ -20,7 +20,7 @@ one pass (``permute_all_to_all_start``: one Triton kernel on CUDA writes the FP8
 expert-major order; the torch reference elsewhere, bit for bit the same); the other
 exchange forms quantize their already permuted rows (``all_to_all``).
 
-``MoEConfig.combine_grad_dtype="fp8"``: in backward, the gradient of the combine's rows,
+``ExchangeConfig.combine_grad_dtype="fp8"``: in backward, the gradient of the combine's rows,
 which goes back to the experts' ranks (the expert outputs' gradient, DeepSeek-V3 sends it
 in FP8 before the down-projection's backward), crosses the same way (``combine_all_to_all``).
 

@@ -1,4 +1,4 @@
-"""The EP group's load figures and the receive guard (``MoEConfig.receive_capacity_factor``).
+"""The EP group's load figures and the receive guard (``ExchangeConfig.receive_capacity_factor``).
 
 Legend: P EP ranks, E global experts, L = E/P local experts, T tokens, K top-k.
 

@@ -61,13 +61,13 @@ class MoE(nn.Module):
         shard = ExpertShard(self.num_local_experts, state.ep_rank * self.num_local_experts, self.etp, state.etp_rank)
         self.experts = GroupedExperts(dataclasses.replace(cfg, init_seed=init_seed + 1), shard)
         self.replicas = None
-        if cfg.redundant_experts:   # E + R slots per EP group (moepar.moe.replicas)
-            self.replicas = self.experts.replicas = Replicas(cfg.num_experts, cfg.redundant_experts, cfg.ep_size,
-                                                             state, stats=None)
+        if cfg.exchange.redundant_experts:   # E + R slots per EP group (moepar.moe.replicas)
+            self.replicas = self.experts.replicas = Replicas(cfg.num_experts, cfg.exchange.redundant_experts,
+                                                             cfg.ep_size, state, stats=None)
         self.shared = None
         if cfg.num_shared_experts:
             self.shared = SharedExperts(hidden, cfg.shared_ffn, cfg.activation, state, cfg.sequence_parallel,
-                                        init_seed + 2, cfg.init_std, cfg.dtype, gate=cfg.shared_expert_gate)
+                                        init_seed + 2, cfg.init_std, cfg.dtype, gate=cfg.hf.shared_expert_gate)
         self._stats = MoEStats()
         self.dispatcher = Dispatcher(cfg, state, self._stats.comm)
         if self.replicas is not None:
@@ -164,7 +164,7 @@ class MoE(nn.Module):
         # its peers in every collective up to the counts exchange, where they all raise.
         x_TD = x.reshape(-1, self.hidden) if error is None else self._empty_input(x)
         flags = {}
-        if self.config.check_finite and error is None:
+        if self.config.exchange.check_finite and error is None:
             flags["nonfinite_input"] = (~torch.isfinite(x_TD)).sum()
         record = self._replay.take(x_TD.shape[0]) if recompute and self.training else None
         routing = self.router(x_TD, stats_group=self._aux_group(), defer_checks=True,        # 1. route
@@ -179,7 +179,7 @@ class MoE(nn.Module):
             if self.training and not recompute and not traced:
                 self.replicas.record_load(routing.tokens_per_expert)
         during = None
-        if self.shared is not None and self.config.overlap_shared_experts:
+        if self.shared is not None and self.config.exchange.overlap_shared_experts:
             during = lambda tp_tokens: self.shared(x_TD, self._sequence_sizes(tp_tokens),   # noqa: E731
                                                    self._stats.comm)
         x_local, meta, shared_TD = self.dispatcher.dispatch(                              # 2-7. exchange
@@ -187,7 +187,7 @@ class MoE(nn.Module):
             flags=flags, error=error, trusted=True, tokens=x_TD.shape[0])
         y_local = self._run_experts(x_local, meta)                                         # 8. experts
         y_TD = self.dispatcher.combine(y_local, meta)                                      # 9-11. back
-        if self.config.score_before_experts:   # each token's K route rows summed: [T, D]
+        if self.config.hf.score_before_experts:   # each token's K route rows summed: [T, D]
             y_TD = sum_routes(y_TD, x_TD.shape[0])
         if self.shared is not None and shared_TD is None:
             shared_TD = self.shared(x_TD, self._sequence_sizes(meta.tp_tokens), self._stats.comm)
@@ -236,7 +236,7 @@ class MoE(nn.Module):
         if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != x_TD.dtype:
             x_TD = x_TD.to(torch.get_autocast_dtype(dev))
         dropped = routing.dropped if routing.capacity is not None else None
-        if not self.config.score_before_experts:
+        if not self.config.hf.score_before_experts:
             return x_TD, routing.expert_ids, dropped, routing.weights
         return routes_as_rows(x_TD, routing.expert_ids, routing.weights, dropped)
 

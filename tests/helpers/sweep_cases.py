@@ -111,15 +111,15 @@ def form_that_runs(cfg: MoEConfig, ep: int, etp: int) -> str | None:
     r, L = cfg.router, cfg.num_experts // ep
     if r.pad_to_capacity:
         return "padded"
-    dedup_possible = ep > 1 and etp == 1 and r.k > 1 and cfg.dedup != "off"
-    if dedup_possible and (cfg.dedup == "auto" or cfg.receive_capacity_factor is not None
-                           and cfg.receive_capacity_factor < ep):
+    dedup_possible = ep > 1 and etp == 1 and r.k > 1 and cfg.exchange.dedup != "off"
+    if dedup_possible and (cfg.exchange.dedup == "auto" or cfg.exchange.receive_capacity_factor is not None
+                           and cfg.exchange.receive_capacity_factor < ep):
         return None
     if dedup_possible:
         return "dedup"
     if ep * etp == 1 or L == 1:
         return "direct"
-    return "source_major" if cfg.cpu_source_major and etp == 1 else "regroup"
+    return "source_major" if cfg.exchange.cpu_source_major and etp == 1 else "regroup"
 
 
 def run_case(case: dict) -> list[dict]:

@@ -94,7 +94,7 @@ def test_guard_drops_match_the_slow_rule():
 @pytest.mark.parametrize("bad", [0.5, 0.999, float("inf"), float("nan"), True, "2", -1])
 def test_bad_receive_capacity_factor_is_refused(bad):
     with pytest.raises(ValueError, match="receive_capacity_factor=.* must be None or a finite number >= 1"):
-        moepar.MoEConfig(8, 4, receive_capacity_factor=bad)
+        moepar.ExchangeConfig(receive_capacity_factor=bad)
     with pytest.raises(ValueError, match="receive_capacity_factor"):
         MoE(8, 4, 1, receive_capacity_factor=bad, state=ParallelState.single())
 

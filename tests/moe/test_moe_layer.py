@@ -171,22 +171,23 @@ def test_config_and_keyword_options_build_the_same_layer():
     kw = dict(k=2, ffn_hidden=FF, activation="swiglu", capacity_factor=2.0, z_loss_coeff=1e-3,
               dedup="off", init_seed=5)
     a = MoE(D, E, 1, state=ParallelState.single(), **kw)
-    cfg = moepar.MoEConfig(D, E, 1, ffn_hidden=FF, activation="swiglu", dedup="off", init_seed=5,
+    cfg = moepar.MoEConfig(D, E, 1, ffn_hidden=FF, activation="swiglu", exchange=moepar.ExchangeConfig(dedup="off"),
+                           init_seed=5,
                            router=moepar.RouterConfig(D, E, k=2, capacity_factor=2.0, z_loss_coeff=1e-3,
                                                       nonfinite="propagate"))
     b = MoE(D, E, 1, config=cfg, state=ParallelState.single())
     assert a.config == b.config
-    assert a.config.router.capacity_factor == 2.0 and a.config.router.k == 2 and a.config.dedup == "off"
+    assert a.config.router.capacity_factor == 2.0 and a.config.router.k == 2 and a.config.exchange.dedup == "off"
     x = torch.randn(7, D)
     assert torch.equal(a(x), b(x))
     # A router field MoE never spelt out (noise_eps) works through MoE(...) as well, and a
     # keyword given with a config replaces that field only.
     c = MoE(D, E, 1, config=cfg, noise_eps=0.05, activation="gelu", state=ParallelState.single())
     assert c.config.router.noise_eps == 0.05 and c.config.router.capacity_factor == 2.0
-    assert c.config.activation == "gelu" and c.config.dedup == "off"
+    assert c.config.activation == "gelu" and c.config.exchange.dedup == "off"
     assert MoE(D, E, 1, use_kernels=False, state=ParallelState.single()).config.router.use_kernel is False
     with pytest.raises(Exception):   # frozen
-        cfg.dedup = "on"
+        cfg.gemm_path = "loop"
 
 
 def test_config_errors_name_the_option_and_the_rule():
@@ -204,7 +205,7 @@ def test_config_errors_name_the_option_and_the_rule():
     with pytest.raises(ValueError, match=r"disagrees with config \(hidden=8, num_experts=4, ep_size=1\)"):
         MoE(D, 8, 1, config=moepar.MoEConfig(D, E), state=single)
     with pytest.raises(ValueError, match="check_finite=1 must be True or False"):
-        moepar.MoEConfig(D, E, check_finite=1)
+        moepar.ExchangeConfig(check_finite=1)
 
 
 def test_check_finite_raises_on_one_process_too():

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import moepar
-from moepar.moe.config import MoEConfig
+from moepar.moe.config import ExchangeConfig, MoEConfig
 from moepar.moe.placement import plan_placement, split_counts, zipf_loads
 from moepar.moe.replicas import Replicas, SlotMap, local_order, split_counts_device
 
@@ -91,11 +91,11 @@ def test_slot_map_sends_each_remote_copy_from_its_owner():
 
 def test_bad_options_name_the_value_and_the_rule():
     with pytest.raises(ValueError, match="redundant_experts=3 is not divisible by ep_size=2"):
-        MoEConfig(D, E, 2, redundant_experts=3)
+        MoEConfig(D, E, 2, exchange=ExchangeConfig(redundant_experts=3))
     with pytest.raises(ValueError, match=r"redundant_experts=10 > num_experts x \(ep_size - 1\) = 8 x 1"):
-        MoEConfig(D, E, 2, redundant_experts=10)
+        MoEConfig(D, E, 2, exchange=ExchangeConfig(redundant_experts=10))
     with pytest.raises(ValueError, match="redundant_experts=2 needs dropless dispatch"):
-        MoEConfig(D, E, 2, redundant_experts=2, router=moepar.RouterConfig(D, E, pad_to_capacity=True,
+        MoEConfig(D, E, 2, exchange=ExchangeConfig(redundant_experts=2), router=moepar.RouterConfig(D, E, pad_to_capacity=True,
                                                                             capacity_factor=1.0))
     with pytest.raises(ValueError, match="redundant_experts=2 > num_experts x"):
         moepar.MoE(D, E, 1, redundant_experts=2)

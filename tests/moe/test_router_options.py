@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 import moepar
+from moepar.moe.config import make_config
 
 from moepar.moe.activations import ClampedSwiGLU, clamped_swiglu_reference
 from moepar.moe.experts import GroupedExperts
@@ -193,14 +194,14 @@ def test_shared_expert_gate_and_router_bias():
 
 
 def test_hf_options_are_config_fields_and_router_fields_route_by_name():
-    # The layer options are MoEConfig fields; the routing ones reach RouterConfig through
+    # The layer options are fields of MoEConfig's hf group; the routing ones reach RouterConfig through
     # MoE(...)'s generic keyword routing (no forwarding written for them).
     single = ParallelState.single()
     moe = MoE(8, 4, 1, k=2, num_shared_experts=1, shared_expert_gate=True, router_bias=True,
               score_before_experts=True, num_groups=2, topk_groups=1, group_score="sum_topn", group_score_topn=2,
               expert_capacity=3, seq_len=4, aux_loss_convention="hf", noise_eps=0.05, state=single, init_seed=1)
     c = moe.config
-    assert (c.shared_expert_gate, c.router_bias, c.score_before_experts) == (True, True, True)
+    assert (c.hf.shared_expert_gate, c.hf.router_bias, c.hf.score_before_experts) == (True, True, True)
     r = c.router
     assert (r.bias, r.group_score, r.group_score_topn, r.expert_capacity, r.seq_len, r.aux_loss_convention,
             r.noise_eps) == (True, "sum_topn", 2, 3, 4, "hf", 0.05)
@@ -228,6 +229,6 @@ def test_hf_options_are_config_fields_and_router_fields_route_by_name():
 ])
 def test_hf_option_errors_name_the_value_and_the_rule(kw, match):
     with pytest.raises(ValueError, match=match):
-        moepar.MoEConfig(8, 4, **kw)
+        make_config(8, 4, 1, **kw)
     with pytest.raises(ValueError, match=match):
         MoE(8, 4, 1, state=ParallelState.single(), **kw)
