@@ -14,6 +14,7 @@ MODES = {
     "layer": "moepar.bench.layer",        # the whole MoE layer vs floor / plain torch / peers
     "dispatch": "moepar.bench.dispatch",  # all-to-all dispatch vs raw all_to_all_single (torchrun)
     "replicas": "moepar.bench.replicas",  # expert replication on skewed routing (torchrun)
+    "fsdp": "moepar.bench.fsdp",          # model-state memory per rank, fully_shard vs all-reduce (torchrun)
 }
 SINGLE_PROCESS = ("routing", "local", "layer")
 

@@ -44,12 +44,12 @@ fewer and larger messages (Tutel's 2DH, DeepSpeed-MoE's hierarchical all-to-all)
 for by a second pass over NVLink and a second latency.
 
 Machines (``Hardware``): presets with cited public figures, or calibrated JSON profiles
-(``moepar.cost.profiles``). A ``Hardware`` prices a collective with its measured curve when
-it has one for that (op, group size) on one node (a profile written by ``python -m moepar
-calibrate``), and with the two-link model above otherwise: the intra-node link per GPU, and
-``nics_per_node`` NICs shared by the node's GPUs. Each link carries its line rate and the
-fraction of it NCCL achieves (``Link.efficiency``), from published nccl-tests bus
-bandwidths. docs/cost.md lists every figure with its source; the short forms:
+(``moepar.cost.profiles``, whose ``get_hardware`` takes a preset's name or a profile's path).
+A ``Hardware`` prices a collective with its measured curve when it has one for that (op,
+group size) on one node (a profile written by ``python -m moepar calibrate``), and with the
+two-link model above otherwise: the intra-node link per GPU, and ``nics_per_node`` NICs
+shared by the node's GPUs. Each link carries its line rate and the fraction of it NCCL
+achieves (``Link.efficiency``), from published nccl-tests bus bandwidths. docs/cost.md lists every figure with its source; the short forms:
 
 - line rates per GPU per direction (NVIDIA quotes NVLink as the bidirectional total):
   NVLink 4 450 GB/s (H100/H200 datasheets, 900 GB/s), H800 NVLink 200 GB/s (400 GB/s),
@@ -68,11 +68,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-from typing import TYPE_CHECKING, Mapping, Sequence
-
-if TYPE_CHECKING:
-    from .profiles import Curve
+from typing import Mapping, Protocol, Sequence
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 # "p2p": one tensor from one rank to another (a pipeline stage boundary's send/recv pair),
@@ -316,6 +312,13 @@ NVLS_H100_ALGBW = 275 * GB    # nccl-tests #212: NVLS all-reduce on 8 H100, algb
 MiB = 2 ** 20
 
 
+class MeasuredCurve(Protocol):
+    """What ``Hardware`` needs of a measured curve: its time at a size. The calibrated table,
+    ``moepar.cost.profiles.Curve``, is one; profiles imports this module, never the reverse."""
+
+    def predict(self, nbytes: float) -> float: ...
+
+
 @dataclasses.dataclass(frozen=True)
 class Hardware:
     """A machine type: links, GPUs per node, FLOP rate (FLOP/s per GPU), memory (bytes)."""
@@ -329,7 +332,7 @@ class Hardware:
     memory_bytes: float
     base_latency: float = 0.0
     sources: tuple[str, ...] = ()
-    curves: Mapping[tuple[str, int], Curve] = dataclasses.field(default_factory=dict)
+    curves: Mapping[tuple[str, int], MeasuredCurve] = dataclasses.field(default_factory=dict)
     meta: Mapping[str, object] = dataclasses.field(default_factory=dict)
     nics_per_node: int = 0            # NICs (``inter`` each) per node; 0: one per GPU
     nvls_algbw: float = 0.0           # NVLink SHARP all-reduce algbw inside a node; 0: none
@@ -372,7 +375,7 @@ class Hardware:
     def calibrated(self) -> bool:
         return bool(self.curves)
 
-    def curve_for(self, op: str, placement: Placement, algo: str | None = None) -> Curve | None:
+    def curve_for(self, op: str, placement: Placement, algo: str | None = None) -> MeasuredCurve | None:
         """The measured curve that prices this call, if any (one node, backend's algorithm)."""
         algo = check_op(op, algo)
         if placement.nodes != 1:
@@ -454,22 +457,3 @@ PRESETS: dict[str, Hardware] = {
                             "one 400 Gb/s NIC per GPU assumed (as DGX B200; no source found here)"],
                            nics=72, gpus=72, hbm_tbps=8.0),
 }
-
-
-def valid_hardware_names() -> str:
-    return ", ".join(sorted(PRESETS)) + ", or the path of a JSON profile written by " \
-        "`python -m moepar calibrate`"
-
-
-def get_hardware(name: str | Hardware) -> Hardware:
-    """A preset by name (case-insensitive) or a calibrated profile by path."""
-    if isinstance(name, Hardware):
-        return name
-    key = str(name).strip().lower()
-    if key in PRESETS:
-        return PRESETS[key]
-    if key.endswith(".json") or os.path.exists(name):
-        from .profiles import load_profile
-        return load_profile(name)
-    raise ValueError(f"unknown hardware {name!r}; valid: {valid_hardware_names()}")
-

@@ -1,10 +1,11 @@
-"""Calibrated hardware profiles: measured time-vs-size curves, their fit, and the JSON file.
+"""Calibrated hardware profiles: measured time-vs-size curves, their fit, and the JSON file;
+and ``get_hardware``, a machine by preset name or by profile path.
 
 ``python -m moepar calibrate`` (``moepar.cost.calibrate``) measures each (op, group size) over
 a size sweep and keeps the table as a ``Curve`` (made monotone, interpolated between the
 measured sizes) with a least-squares alpha-beta fit (``fit_alpha_beta``); ``save_profile``
-and ``load_profile`` write and read the ``Hardware`` that carries the curves (``get_hardware``
-takes the path of one).
+and ``load_profile`` write and read the ``Hardware`` that carries the curves. The presets and
+the pricing are ``moepar.cost.collectives``': this module imports it, never the reverse.
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import math
 import os
 from typing import Mapping, Sequence
 
-from .collectives import Hardware, Link, bus_factor, check_op, valid_hardware_names
+from .collectives import PRESETS, Hardware, Link, bus_factor, check_op
 
 PROFILE_FORMAT = "moepar-profile/1"
 
@@ -140,6 +141,23 @@ def save_profile(hw: Hardware, path: str) -> None:
     with open(path, "w") as f:
         json.dump(data, f, indent=1)
         f.write("\n")
+
+
+def valid_hardware_names() -> str:
+    return ", ".join(sorted(PRESETS)) + ", or the path of a JSON profile written by " \
+        "`python -m moepar calibrate`"
+
+
+def get_hardware(name: str | Hardware) -> Hardware:
+    """A preset by name (case-insensitive) or a calibrated profile by path."""
+    if isinstance(name, Hardware):
+        return name
+    key = str(name).strip().lower()
+    if key in PRESETS:
+        return PRESETS[key]
+    if key.endswith(".json") or os.path.exists(name):
+        return load_profile(name)
+    raise ValueError(f"unknown hardware {name!r}; valid: {valid_hardware_names()}")
 
 
 def load_profile(path: str) -> Hardware:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from moepar.bench import dispatch as bench_dispatch
+from moepar.bench import fsdp as bench_fsdp
 from moepar.bench import layer as bench_layer
 from moepar.bench.common import step_peak_bytes
 from moepar.bench.peers import deepspeed_status, megatron_status
@@ -187,6 +188,37 @@ def test_dispatch_bench_with_dedup_compares_both_byte_counts():
     assert row["floor_moe_ratio"] == row["floor_moe_ms"] / row["raw_routes_ms"]
 
 
+def _fsdp_main_on_ranks():
+    import contextlib
+    import io
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        rc = bench_fsdp.main(["--tp", "1", "--ep", "2", "--layers", "1", "--hidden", "16", "--experts", "4",
+                              "--batch", "1"])
+    return rc, text.getvalue()
+
+
+def test_fsdp_bench_prints_both_ways_on_two_gloo_ranks():
+    (rc0, text), (rc1, other) = run_ranks(_fsdp_main_on_ranks, 2)
+    assert rc0 == rc1 == 0 and other == ""   # rank 0 prints
+    head, cols, *rows = text.splitlines()
+    assert head == "world 2: tp 1 ep 2 (dp 2, edp 1); GPT layers 1 hidden 16 experts 4"
+    assert cols.split()[:5] == ["way", "params", "grads", "optimizer", "total"]
+    mib = {r.split()[0]: [float(v) for v in r.split()[1:]] for r in rows}
+    assert list(mib) == ["fully_shard", "allreduce_gradients"]
+    for params, grads, opt, total in mib.values():
+        assert params == grads > 0 and abs(opt - 2 * params) <= 0.011 and abs(total - 4 * params) <= 0.021
+    # dp 2: fully_shard holds about half the dense state of allreduce_gradients (edp 1: the
+    # experts are split by EP only, the same bytes both ways).
+    assert mib["fully_shard"][3] < mib["allreduce_gradients"][3]
+
+
+def test_fsdp_bench_wants_torchrun(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SystemExit):
+        bench_fsdp.parse_args([])
+
+
 def _argmax_rounds(key, k):
     """The obvious top-k with lower-index ties: k rounds of argmax (first maximal index)."""
     key = key.clone()
@@ -254,3 +286,4 @@ def test_bench_entry_usage_and_unknown_mode(capsys, monkeypatch):
     ran.clear()
     monkeypatch.setenv("WORLD_SIZE", "4")
     assert bench.main([]) == 0 and ran == ["dispatch"]
+    assert "fsdp" in bench.MODES and "fsdp" not in bench.SINGLE_PROCESS

@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from moepar.cost.calibrate import calibrate, pinned_to_core
-from moepar.cost.collectives import OPS, get_hardware
+from moepar.cost.collectives import OPS
 from moepar.cost.model import CostLayout, MoESpec
-from moepar.cost.profiles import load_profile, save_profile
+from moepar.cost.profiles import get_hardware, load_profile, save_profile
 from moepar.cost.run_report import measured_vs_predicted
 from moepar.cost.validate import (Row, ROW_SOURCES, collective_rows, ep_vs_tp_rows, format_validation,
                                   register_row_source, run_validation)

@@ -7,8 +7,8 @@ import pytest
 from moepar.__main__ import main
 from moepar.cost import cli, cli_measure
 from moepar.cost.pipeline import step_cost
-from moepar.cost.collectives import get_hardware
 from moepar.cost.model import CostLayout, MoESpec
+from moepar.cost.profiles import get_hardware
 from moepar.cost.report import build_report, render_markdown
 
 ISSUE_EXAMPLE = ["--hidden", "4096", "--ffn", "14336", "--experts", "8", "--topk", "2", "--tokens", "8192",

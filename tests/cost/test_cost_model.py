@@ -8,8 +8,8 @@ import pytest
 from moepar.cost.accounting import count_flops, layer_calls, memory_per_rank, step_calls
 from moepar.cost.pipeline import step_cost
 from moepar.cost.architectures import MODELS
-from moepar.cost.collectives import get_hardware
 from moepar.cost.model import CostLayout, MoESpec, check_fits, count_params, imbalance_from_counts, routes_per_rank
+from moepar.cost.profiles import get_hardware
 
 H100 = get_hardware("h100")
 

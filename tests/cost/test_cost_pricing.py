@@ -6,8 +6,8 @@ import pytest
 from moepar.cost.accounting import layer_calls, step_calls
 from moepar.cost.pipeline import step_cost
 from moepar.cost.architectures import MODELS
-from moepar.cost.collectives import get_hardware
 from moepar.cost.model import CostLayout, MoESpec, count_params
+from moepar.cost.profiles import get_hardware
 from moepar.cost.search import recommend
 
 H100 = get_hardware("h100")

@@ -3,7 +3,7 @@
 import pytest
 
 from moepar.cost.calibrate import calibrate, row_pass_seconds
-from moepar.cost.collectives import get_hardware
+from moepar.cost.profiles import get_hardware
 from moepar.cost.validate import run_validation
 from moepar.cost.validate_moe import QUICK_CASES, moe_dispatch_rows
 
