@@ -216,11 +216,11 @@ class Dispatcher:
         """This rank's dedup vote: 0 off, 1 auto, 2 on. Dedup needs more than one route per
         token, an EP group and no expert TP. "auto" votes off at once where it can never
         apply (a token sends at least one row, so rows/routes >= 1/K)."""
-        K = expert_ids_TK.shape[1]
-        if (self.config.exchange.dedup == "off" or call.topo.ep == 1 or call.topo.etp > 1 or K < 2
-                or (self.config.exchange.dedup == "auto" and 1 / K > DEDUP_MAX_FRACTION)):
+        K, mode = expert_ids_TK.shape[1], self.config.exchange.dedup
+        if (mode == "off" or call.topo.ep == 1 or call.topo.etp > 1 or K < 2
+                or (mode == "auto" and 1 / K > DEDUP_MAX_FRACTION)):
             return 0
-        return DEDUP_VOTES[self.config.exchange.dedup]
+        return DEDUP_VOTES[mode]
 
     def abort(self, error: str, hidden: int, dtype: torch.dtype, device: torch.device) -> None:
         """Raise ``error`` here and on every rank of the block: a rank whose input is invalid

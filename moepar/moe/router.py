@@ -26,11 +26,10 @@ from moepar import checks
 from moepar.parallel import comm, regions
 from moepar_kernels import routing as _rk
 
+from ..parallel.fsdp import copy_local   # a DTensor (FSDP2) keeps its own shard
 from .capacity import drop_beyond_capacity
 from .config import RouterConfig
-from ..parallel.fsdp import copy_local   # a DTensor (FSDP2) keeps its own shard
 from .recompute import Record, rng_replayed, rng_state
-
 
 
 @dataclasses.dataclass(frozen=True)
