@@ -18,7 +18,7 @@ one micro-batch keeps for backward.
 Per MoE layer and micro-batch (what ``moepar.moe`` issues):
   forward  [block>1, dropless] counts all-gather over the MoE block (the TP, EP and ETP
                    groups' closure, lcm(tp, ep·etp) ranks): one row per rank of its E int64
-                   counts, the metadata fields of moepar/moe/counts_message.py and its dedup
+                   counts, the metadata fields of moepar/moe/traffic.py and its dedup
                    rows per EP peer, block·width(E, ep)·8 gathered (every rank then knows its
                    EP group's whole load, the ETP peers' rows and the TP peers' tokens)
            [ep>1]  dispatch all-to-all          R·D·b        EP  (dedup: R·f·D·b and a side

@@ -4,7 +4,7 @@ Each row times ``Dispatcher.dispatch`` + ``combine`` (forward: the counts all-ga
 token all-to-all and the one back, plus the local permute/regroup/unpermute they need) on
 an EP group of n ranks with uniform random top-k routing, and compares it with what the
 cost model prices for the same layer: the counts all-gather
-(``counts_message.message_bytes``) and two token all-to-alls of R·D·b, plus the
+(``traffic.message_bytes``) and two token all-to-alls of R·D·b, plus the
 dispatcher's local passes over the R = T·K rows
 (the permute before, the regroup of the received blocks by local expert and its inverse,
 the weighted unpermute after), priced with the memory-bandwidth
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..moe.counts_message import message_bytes
+from ..moe.traffic import message_bytes
 from ..moe.config import MoEConfig, RouterConfig
 from ..moe.dispatcher import Dispatcher
 from .calibrate import row_pass_seconds

@@ -1,4 +1,4 @@
-"""The MoE layer's modules. Nothing is imported here: ``moepar.moe.counts_message`` and
+"""The MoE layer's modules. Nothing is imported here: ``moepar.moe.traffic`` and
 ``moepar.moe.dedup_policy`` (read by the cost model) import without torch; the other
 modules are imported on attribute access (``moepar.moe.cpu.pool_disabled()``), as an eager
 ``import moepar`` used to leave them."""

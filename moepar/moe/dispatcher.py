@@ -8,7 +8,7 @@ list of the forward's steps (1 is the router's):
   2. ``_tp_share``        with a TP group whose ranks hold the same tokens, keep this TP
                           rank's near-even share of them (a slice: no communication);
   3. ``_exchange_counts`` count the routes per expert on the device, all-gather one row per
-                          rank over the MoE block (``counts_message``'s layout) and read it
+                          rank over the MoE block (``traffic.columns``' layout) and read it
                           to the host: the forward's one host read. From it, identically on
                           every rank and with no further collective (``decide``, at the
                           end of this file): a bad input on any rank of the block raises
@@ -40,7 +40,7 @@ from moepar_kernels.permute_index import check_permute_args
 
 from ..parallel import comm, regions
 from ..parallel.groups import MoeTopology as Topology
-from . import counts_message as msg, cpu
+from . import cpu, traffic as msg
 from .dedup import DEDUP_MAX_FRACTION, DedupMeta, DedupRows, dedup_rows, group_dedups
 from .exchange import Call, Meta, Plan, RouteRows, Routes, SourceMajorMeta, SourceMajorRows
 from .config import MoEConfig
@@ -130,7 +130,7 @@ class Dispatcher:
         ``during(tp_tokens)``: work to run while the token all-to-all is in flight (the
         shared experts), called with every TP peer's token count (None where not known).
         ``flags``: the caller's device-side verdicts ({"nonfinite_input": count, ...},
-        ``counts_message.DEVICE_FIELDS``), raised on every rank of the block if nonzero.
+        ``traffic.DEVICE_FIELDS``), raised on every rank of the block if nonzero.
         ``error``: the caller found its input invalid (it dispatches an empty routing): every
         rank of the block raises, this one with ``error``, after the counts exchange.
         ``trusted``: the ids come from a router (in range): a rank alone then reads nothing.
@@ -333,7 +333,7 @@ def build_row(c: Contribution, cols: msg.Columns, dev: torch.device) -> torch.Te
 
 def exchange(c: Contribution, topo: Topology, cols: msg.Columns, like: torch.Tensor,
              stats: comm.CommStats | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """All-gather the rows over the block (bytes: ``counts_message.message_bytes``) and read
+    """All-gather the rows over the block (bytes: ``traffic.message_bytes``) and read
     them to the host once: (rows on the device [B, W], the same on the host)."""
     row = build_row(c, cols, comm.small_device(topo.block, like))
     rows = comm.all_gather_rows(row, topo.block, stats=stats)

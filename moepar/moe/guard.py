@@ -3,7 +3,7 @@
 Legend: P EP ranks, E global experts, L = E/P local experts, T tokens, K top-k.
 
 After the counts all-to-all every EP rank holds the same ``load_PE`` [P, E]: the kept routes
-each EP rank dispatches to each global expert (``counts_message``: every row carries the
+each EP rank dispatches to each global expert (``traffic.columns``: every row carries the
 sender's E counts). Everything here is a pure function of it, so every rank computes the
 same figures and the same quotas with no further collective.
 

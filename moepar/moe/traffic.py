@@ -1,6 +1,7 @@
-"""The MoE layer's collectives as data: one table of what a forward and its backward issue.
+"""What the MoE layer sends, as data (torch-free): the table of the collectives a forward and
+its backward issue, and the layout of the counts row its first collective gathers.
 
-Torch-free: the cost model's per-layer accounting (``moepar.cost.accounting``) prices this
+The cost model's per-layer accounting (``moepar.cost.accounting``) prices this
 list, and ``tests/moe/test_traffic.py`` compares it, op by op, with the collectives the layer
 records in ``moe.stats.comm`` across the layouts and options the suite runs. The steps it
 names are docs/moe.md's (one numbering); letters as in the legend there.
@@ -8,17 +9,74 @@ names are docs/moe.md's (one numbering); letters as in the legend there.
 Bytes per rank in nccl-tests' size convention (all-reduce: the tensor; all-gather: the
 gathered output; reduce-scatter: the input; all-to-all: what this rank sends), the
 convention ``moepar.parallel.comm`` records.
+
+The counts row. Before any token moves, every rank of the MoE block (the ranks one MoE
+layer's collectives span: its TP, EP and ETP groups, ``moepar.parallel.groups``) contributes
+one int64 row and the block all-gathers them: the row holds the number of routes the rank sends to each of
+the E global experts, then the metadata ``FIELDS``, then, with dedup, the rows it sends to
+each of its P EP peers. After the one all-gather every rank holds every row of its block,
+so with no further collective it knows
+
+* its EP group's whole [P, E] load (the overload figures of ``moe.stats`` and the receive
+  guard's quotas, computed alike on every rank) and so the all-to-all's split sizes;
+* what each expert-TP peer receives (the ETP all-gather's sizes) and each TP peer's token
+  count (sequence parallelism);
+* whether any rank of the block has a bad input: every rank then raises, nobody waits.
+
+This row is also what the forward reads back to the host, once (``comm.read_to_host``):
+one all-gather of ``block`` rows of ``columns(E, P).width`` int64, ``message_bytes`` in
+nccl-tests' all-gather size convention (the gathered bytes), which the cost model prices.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
 
-from . import counts_message
-
 FP32_BYTES = 4
 INT64_BYTES = 8
 FP8_BLOCK = 128   # channels per fp32 scale of an FP8 row (moepar.moe.fp8)
+
+# ---- the counts row (the dispatcher's first collective) ------------------------------------
+
+# Metadata columns after the E counts, in order.
+FIELDS = (
+    "hidden",            # the sender's hidden size (must agree)
+    "dtype",             # the sender's dispatch dtype, as a small code (must agree)
+    "error",             # 1 if the sender found its input invalid on the host: everyone raises
+    "nonfinite_input",   # non-finite input values (check_finite): everyone raises
+    "nonfinite_logits",  # tokens with non-finite router logits (router nonfinite="raise")
+    "bad_ids",           # routes with an expert id outside [0, E)
+    "routes",            # kept routes the sender dispatches in all
+    "tokens",            # the sender's tokens (its slice under sequence parallelism)
+    "dedup_mode",        # the sender's dedup vote: 0 off, 1 auto, 2 on
+    "dedup_rows",        # the sender's rows in all with dedup
+    "forms",             # exchange forms the sender allows (bit flags)
+)
+# Device-valued fields: each a count the sender computed on its device (never read alone).
+DEVICE_FIELDS = ("nonfinite_input", "nonfinite_logits", "bad_ids", "routes", "dedup_rows")
+
+
+@dataclasses.dataclass(frozen=True)
+class Columns:
+    """Where each part of one row lies for E experts and P EP peers: what a sender fills and
+    every reader indexes (a dispatcher computes it once; its forward only indexes)."""
+
+    num_experts: int
+    width: int                 # int64 columns of a row: E counts, the metadata, P dedup rows
+    field: dict[str, int]      # metadata field name -> its column
+    dedup: slice               # the P columns of rows sent to each EP peer with dedup
+
+
+def columns(num_experts: int, ep: int) -> Columns:
+    """The row's columns for ``num_experts`` counts and ``ep`` EP peers."""
+    start = num_experts + len(FIELDS)
+    return Columns(num_experts, start + ep, {name: num_experts + i for i, name in enumerate(FIELDS)},
+                   slice(start, start + ep))
+
+
+def message_bytes(num_experts: int, ep: int, block: int) -> int:
+    """Bytes of the counts all-gather over a block of ``block`` ranks (the gathered rows)."""
+    return block * columns(num_experts, ep).width * INT64_BYTES
 
 
 def fp8_row_bytes(D: int) -> int:
@@ -133,8 +191,8 @@ def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
         if fwd and not s.padded:
             # with redundant experts the message counts the E + R slots
             slots = E + s.redundant_experts
-            add("3", "MoE counts", "all_gather", "moe", phase, counts_message.message_bytes(slots, s.ep, s.block),
-                f"block·({'E+R' if s.redundant_experts else 'E'}+{len(counts_message.FIELDS)}+ep)·8")
+            add("3", "MoE counts", "all_gather", "moe", phase, message_bytes(slots, s.ep, s.block),
+                f"block·({'E+R' if s.redundant_experts else 'E'}+{len(FIELDS)}+ep)·8")
         if (s.fp8_dispatch if fwd else s.fp8_combine_grad):
             add("5", "MoE dispatch" if fwd else "MoE combine grad", "all_to_all", "ep", phase,
                 R * fp8_row_bytes(D), f"R·(D+4·⌈D/{FP8_BLOCK}⌉) fp8{dd}")

@@ -54,7 +54,7 @@ def test_torch_free_modules_import_without_torch():
     # What the cost model reads from the layer's side: the layout arithmetic, the counts
     # message and the dedup threshold (one definition each, shared with the layer).
     code = ("import sys, moepar, moepar.cost, moepar.cost.cli, moepar.parallel.layout, "
-            "moepar.moe.counts_message, moepar.moe.dedup_policy; "
+            "moepar.moe.traffic, moepar.moe.dedup_policy; "
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     r = _python("-c", code)
     assert r.returncode == 0, r.stderr

@@ -22,7 +22,7 @@ def ctx_free_prediction(hw, row):
     """The communication-only prediction of a dispatch row (the counts all-gather + 2 token
     all-to-alls)."""
     from moepar.cost.collectives import Placement
-    from moepar.moe.counts_message import message_bytes
+    from moepar.moe.traffic import message_bytes
     n, E = row.group_size, 2 * row.group_size
     pl = Placement(n, n)
     return hw.collective_time("all_gather", pl, message_bytes(E, n, n)) + 2 * hw.collective_time("all_to_all", pl,

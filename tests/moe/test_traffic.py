@@ -10,11 +10,10 @@ import collections
 import pytest
 import torch.distributed as dist
 
-from moepar.moe import counts_message
 
 from moepar.moe.dedup import dedup_rows
 from moepar.moe.router import capacity_of
-from moepar.moe.traffic import LayerShape, layer_collectives
+from moepar.moe.traffic import LayerShape, layer_collectives, message_bytes
 from moepar.parallel import init_parallel
 
 from ..helpers import moe_ref
@@ -123,7 +122,7 @@ def test_replication_adds_exactly_two_rows_and_keeps_every_other(extra):
     for c in kept:
         if c.name == "MoE counts":
             shape = _shape(**extra)
-            assert c.nbytes == counts_message.message_bytes(8 + 4, shape.ep, shape.block)
+            assert c.nbytes == message_bytes(8 + 4, shape.ep, shape.block)
     added = [c for c in rep if c.name.startswith("MoE replica")]
     sent, held = rep_fields["replica_sent"], rep_fields["replica_received"]
     assert sent >= 1   # expert 0, the hottest, lives on rank 0 and is copied elsewhere
