@@ -15,23 +15,10 @@ negligible. A rank's expert FLOPs are 6·R·P_e: its experts' work on the routes
 Memory: weights, gradients, Adam state (ZeRO-sharded) and an estimate of the activations
 one micro-batch keeps for backward.
 
-Per MoE layer and micro-batch (what ``moepar.moe`` issues):
-  forward  [block>1, dropless] counts all-gather over the MoE block (the TP, EP and ETP
-                   groups' closure, lcm(tp, ep·etp) ranks): one row per rank of its E int64
-                   counts, the metadata fields of moepar/moe/traffic.py and its dedup
-                   rows per EP peer, block·width(E, ep)·8 gathered (every rank then knows its
-                   EP group's whole load, the ETP peers' rows and the TP peers' tokens)
-           [ep>1]  dispatch all-to-all          R·D·b        EP  (dedup: R·f·D·b and a side
-                   all-to-all R·f·2K·4, f = dedup_fraction; each way, backward too)
-           [etp>1] all-gather rows              etp·R·D·b    ETP
-           [etp>1] reduce-scatter partial out   etp·R·D·b    ETP
-           [ep>1]  combine all-to-all           R·D·b        EP
-           [tp>1, no SP] all-gather outputs     T·D·b        TP
-           shared experts [tp>1]: all-reduce T·D·b (SP: all-gather + reduce-scatter)
-           [SP, tp>1] aux-loss statistics all-reduce 3·E·4   TP
-  backward the mirrors: 2 all-to-alls R·D·b; [etp>1] all-gather + reduce-scatter;
-           [tp>1, no SP] all-gather of the input gradient T·D·b and of the routing-weight
-           gradient T·K·4; shared experts as forward.
+Per MoE layer and micro-batch: the collectives of ``moepar.moe.traffic.layer_collectives``,
+the layer's own table (op, group, bytes formula and docs/moe.md step of each; a test
+checks it against what the layer records), priced here with R on the most loaded rank.
+Per transformer block besides:
   attention (Megatron TP) [tp>1]: all-reduce T·D·b forward and backward (SP: all-gather +
            reduce-scatter each way).
 Per step: gradients of dense parameters over dp, of expert parameters over edp: all-reduce

@@ -62,7 +62,7 @@ def _run(name):
     else:
         me = state.ep_rank
         rows = int(load.load_PE[me].sum()) if load is not None else TOKENS * 2
-        received = int(load.received_PR[me]) if load is not None else rows
+        received = int(load.received_P[me]) if load is not None else rows
     gathered = [None] * etp
     if etp > 1:
         dist.all_gather_object(gathered, received, group=state.etp_group)
@@ -116,7 +116,7 @@ def test_replication_adds_exactly_two_rows_and_keeps_every_other(extra):
     p = plan_placement([8, 1, 1, 1, 4, 1, 1, 1], 8, 4, 4)
     rep_fields = replica_shape(p, 0, expert_slice_numel=3 * 8 * 16, param_bytes=4)
     rep = layer_collectives(_shape(**extra, **rep_fields))
-    # the counts message counts the E + R slots; every other row is unchanged
+    # the counts message counts the E + X slots; every other row is unchanged
     kept = [c for c in rep if not c.name.startswith("MoE replica")]
     assert [c for c in kept if c.name != "MoE counts"] == [c for c in plain if c.name != "MoE counts"]
     for c in kept:
@@ -141,3 +141,31 @@ def test_replication_rows_are_issued_with_zero_bytes_and_not_without_an_ep_group
     assert not [c for c in layer_collectives(_shape(ep=1, redundant_experts=4, replica_sent=2, expert_bytes=10))
                 if "replica" in c.name]
     assert replica_shape(None, 0, 10, 4) == {}
+
+
+# docs/moe.md's summary table of the layer's collectives, per mode: (forward, backward) as
+# {(op, group): count}. The table is prose; this keeps it equal to the data it summarizes.
+_SUMMARY = [
+    (dict(ep=1, tp=2, sp=True), {("all_gather", "moe"): 1}, {}),   # a block > 1 rank, no token exchange
+    (dict(), {("all_gather", "moe"): 1, ("all_to_all", "ep"): 2}, {("all_to_all", "ep"): 2}),
+    (dict(dedup=True), {("all_gather", "moe"): 1, ("all_to_all", "ep"): 3}, {("all_to_all", "ep"): 3}),
+    (dict(ep=2, etp=2, etp_rows=24), {("all_gather", "moe"): 1, ("all_to_all", "ep"): 2, ("all_gather", "etp"): 1,
+                                      ("reduce_scatter", "etp"): 1},
+     {("all_to_all", "ep"): 2, ("all_gather", "etp"): 1, ("reduce_scatter", "etp"): 1}),
+    (dict(ep=1, tp=2), {("all_gather", "moe"): 1, ("all_gather", "tp"): 1}, {("all_gather", "tp"): 2}),
+    (dict(ep=1, tp=2, shared=True), {("all_gather", "moe"): 1, ("all_gather", "tp"): 1, ("all_reduce", "tp"): 1},
+     {("all_gather", "tp"): 2, ("all_reduce", "tp"): 1}),
+    (dict(ep=1, tp=2, sp=True, shared=True), {("all_gather", "moe"): 1, ("all_gather", "tp"): 1,
+                                               ("reduce_scatter", "tp"): 1},
+     {("all_gather", "tp"): 1, ("reduce_scatter", "tp"): 1}),
+    (dict(padded=True), {("all_to_all", "ep"): 2}, {("all_to_all", "ep"): 2}),
+    (dict(ep=1), {}, {}),
+]
+
+
+@pytest.mark.parametrize("extra, fwd, bwd", _SUMMARY)
+def test_the_docs_summary_table_counts_what_the_table_lists(extra, fwd, bwd):
+    calls = layer_collectives(_shape(**extra))
+    for phase, want in (("fwd", fwd), ("bwd", bwd)):
+        got = collections.Counter((c.op, c.group) for c in calls if c.phase == phase)
+        assert dict(got) == want, (extra, phase)
