@@ -9,8 +9,8 @@ contiguous, which costs a gather of the received rows and its inverse on the way
 gloo with CPU tensors, when the layer opts in (``ExchangeConfig.cpu_source_major``, off by
 default) and every rank of the EP group does, the rows are instead left as they arrive and the experts run each
 (peer, local expert) block on the expert's weights (GroupedExperts' ``segment_experts``):
-``bench dispatch`` measured the dispatch + combine 1.5-2.5x faster than with the regroup
-on the 2-core VM (docs/benchmarks.md). NCCL keeps the regroup (cheap in HBM, and one
+``bench dispatch`` measures the dispatch + combine with and without the regroup (figures in
+docs/benchmarks.md). NCCL keeps the regroup (cheap in HBM, and one
 grouped GEMM per expert is what the GPU wants).
 
 Why. With glibc's allocator a buffer of more than a few MiB is mapped from the kernel when

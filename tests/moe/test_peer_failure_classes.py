@@ -65,7 +65,7 @@ def _starved_rank(ref):
         if fsdp:
             model = moepar.fully_shard(model, state)
         _train_steps(model, state, fsdp)
-        out[fsdp] = (_max_diff(model, ref, state), int(model.blocks[0].stats.load.received_PR[1])
+        out[fsdp] = (_max_diff(model, ref, state), int(model.blocks[0].stats.load.received_P[1])
                      if model.blocks[0].stats.load is not None else None)
     return out
 
@@ -123,7 +123,7 @@ def test_megatron_5916_grad_norm_and_clipping_equal_the_one_process_gradient(tp,
     """``grad_norm`` and ``clip_grad_norm_`` at tp2·ep2, ep4 and ep2·etp2, plain and FSDP2,
     with biases and a shared expert: the norm of the one-process model's whole gradient, each
     parameter counted once (expert slices summed over EP and ETP, replicated ones not).
-    Checked: dropping the all-reduce of the expert squares over the EP group (#5916's
+    Checked: dropping the all-reduce of the expert squares over the EP group (Megatron-LM #5916's
     undercount: some experts left out of the norm) fails all three layouts."""
     kw = dict(bias=True, num_shared_experts=1)
     ref_grads = _one_process_grads(kw, 4 // tp)
@@ -176,7 +176,7 @@ def test_megatron_5798_sequence_aux_loss_does_not_depend_on_how_sequences_are_ba
     """aux_loss="seq": four sequences routed in one batch give the mean of the per-sequence
     losses, which is what the same sequences give one at a time or two by two. Checked:
     summing over sequences instead of the mean (the loss growing with the batch size, the
-    #5798 report) fails this test."""
+    Megatron-LM #5798 report) fails this test."""
     L, E = 6, 4
     router = moepar.TopKRouter(8, E, 2, aux_loss="seq", seq_len=L, init_seed=3)
     x = torch.randn(4 * L, 8, generator=torch.Generator().manual_seed(0))

@@ -2,14 +2,11 @@
 (tests/helpers/fake_cuda: every aten op on a "cuda" tensor that a GPU would run as a
 kernel or a copy, and every Triton launch).
 
-On a GPU at the benchmark sizes the layer is host-bound: on the H200 of docs/benchmarks.md
-("First GPU run") one small op costs ~15 µs to issue and a Triton launch ~110 µs, while the
-whole step keeps the device busy 0.6 ms of its 3.9. So the number of ops is the host's cost,
-and it is held to a budget here: a change that adds ops to the default path fails this test
-and must raise the budget on purpose. Measured when the budget was set (world of one, bf16,
-dropless top-2, aux loss): 35 ops + 3 launches forward, 44 + 2 backward (the forward was
-47 + 3 before the route index stopped re-checking vouched ids, the non-finite check went
-from six ops to three and the aux loss of a rank alone stopped concatenating)."""
+On a GPU at the benchmark sizes the layer is host-bound (the issue cost of an op and of a
+Triton launch against the device's busy time were measured on an H200: docs/benchmarks.md,
+"First GPU run"). So the number of ops is the host's cost, and it is held to a budget here:
+a change that adds ops to the default path fails this test and must raise the budget on
+purpose (world of one, bf16, dropless top-2, aux loss; the budgets are ``BUDGET`` below)."""
 import torch
 
 from ..helpers.multiproc import run_ranks

@@ -2,8 +2,8 @@
 
 The shared library must be in ``LD_PRELOAD`` when the Python process starts (``import torch``
 creates the CUDA hooks object once), so this module must not import torch: it finds torch's
-headers and libraries from the package's location on ``sys.path``, compiles with g++ (about
-3 s) into a cache directory keyed by the torch version and the source's hash, and reuses it.
+headers and libraries from the package's location on ``sys.path``, compiles with g++ into a
+cache directory keyed by the torch version and the source's hash, and reuses it.
 
     from tests.helpers.fake_cuda import build
     env = dict(os.environ, LD_PRELOAD=build.library_path())   # then start the process
