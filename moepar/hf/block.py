@@ -4,7 +4,7 @@ It keeps the block's call and return convention, and hands transformers what the
 router would have: with ``output_router_logits`` (config or call), transformers 5.x collects
 each layer's router logits with forward hooks on the family's router class into the
 forward's collector (``transformers.utils.output_capturing``); the swapped block appends
-its router logits [T, E] (Switch: [B, S, E]) to that same collector, in the dtype the
+its router logits [T, E] (Switch: [batch, seq, E]) to that same collector, in the dtype the
 family's router gives them (the input's; float32 for DeepSeek-V2/V3, GLM-4-MoE,
 GraniteMoE, Switch). The model's own ``aux_loss`` (``load_balancing_loss_func``) then
 comes out as transformers' own. Off, nothing is computed or kept.
@@ -14,7 +14,7 @@ The block holds its tensors where transformers' block does, under its names and 
 are transformers', and transformers' loader sets them through the same submodule paths.
 The ``MoE`` stays reachable as ``block.moe`` (a child without children of its own).
 
-Legend: T tokens, D hidden, E experts, K top-k.
+Legend (docs/moe.md): T tokens, D hidden, E experts, K top-k.
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ class HFMoEBlock(nn.Module):
         return y.reshape(-1, y.shape[-1]), self.router_logits(x_TD, routing, hidden_states)
 
     def router_logits(self, x_TD: torch.Tensor, routing, hidden_states: torch.Tensor) -> torch.Tensor:
-        """The logits the router routed with [T, E] (Switch: [B, S, E]), recomputed from its
+        """The logits the router routed with [T, E] (Switch: [batch, seq, E]), recomputed from its
         input (with the jitter's noise redrawn from the state it was drawn from), in the
         dtype the family's router gives."""
         r = self.moe.router

@@ -3,9 +3,11 @@
 ``convert_block`` builds the MoE a block's family needs (``families.moe_options``) and
 copies this rank's share of its weights: its experts under EP, its ffn columns/rows of
 them under expert TP, its rows/columns of the shared experts under TP. The source is the
-block itself or a checkpoint read lazily (``SafetensorsCheckpoint``), so that a rank reads
-only its own experts. ``hf_state_dict`` is the way back: the block's HF tensors gathered
-from every rank, the exact inverse of the copy.
+block itself or a safetensors checkpoint read lazily (``SafetensorsCheckpoint``), so that a
+rank reads only its own experts. ``hf_state_dict`` is the way back: the block's HF tensors
+gathered from every rank, the exact inverse of the copy.
+
+Legend (docs/moe.md): D hidden, E experts, F expert ffn hidden (full), Fs the shared experts'.
 
 Every check (model_type, options, tensor names and shapes) runs before anything is built
 and sees the same config and shapes on every rank, so every rank raises the same
@@ -49,7 +51,7 @@ class DictSource:
 
 def hf_dtypes(source, config) -> dict:
     """The dtypes of a block's tensors ("experts": the expert weights'; each dense HF key's),
-    from the block or a checkpoint's view of it."""
+    from the block or a safetensors checkpoint's view of it."""
     fam = families.family_of(config)
     if isinstance(source, nn.Module):
         source = DictSource(dict(source.state_dict()))
@@ -63,8 +65,8 @@ def hf_dtypes(source, config) -> dict:
 def check_source(source, config) -> None:
     """ValueError naming every missing or misshapen tensor of the block."""
     fam = families.family_of(config)
-    D, E, Fh, S, opts = families.block_dims(config)
-    want = families.expected_shapes(fam, E, D, Fh, S, opts.get("router_bias", False))
+    D, E, F, Fs, opts = families.block_dims(config)
+    want = families.expected_shapes(fam, E, D, F, Fs, opts.get("router_bias", False))
     missing = [k for k in want if source.shape(k) is None]
     wrong = [f"{k}: {source.shape(k)} (expected {want[k]})" for k in want
              if source.shape(k) is not None and source.shape(k) != want[k]]
@@ -74,12 +76,12 @@ def check_source(source, config) -> None:
 
 
 def convert_block(block: nn.Module | None, config, state: ParallelState | None = None, *,
-                  checkpoint=None, prefix: str = "", **overrides) -> MoE:
+                  safetensors=None, prefix: str = "", **overrides) -> MoE:
     """A moepar ``MoE`` equal to the HF ``block`` of ``config``'s family, holding this rank's
     share of its weights.
 
     ``state``: the parallel layout (default: the last ``moepar.init_parallel``).
-    ``checkpoint`` (a ``SafetensorsCheckpoint``) with ``prefix`` (the block's key prefix,
+    ``safetensors`` (a ``SafetensorsCheckpoint``) with ``prefix`` (the block's key prefix,
     e.g. ``"model.layers.0.mlp."``) reads the weights from there instead, only this rank's
     experts; ``block`` may then be None. ``overrides``: MoE options set on top of the
     family's (e.g. ``aux_loss="switch"``, ``capacity_factor``; ``seq_len`` for Switch's
@@ -87,37 +89,37 @@ def convert_block(block: nn.Module | None, config, state: ParallelState | None =
     """
     state = state if state is not None else get_parallel_state()
     fam = families.family_of(config)
-    D, E, Fh, S, opts = families.block_dims(config)   # options first: ValueError for what moepar cannot express
-    if checkpoint is not None:
-        source = checkpoint.block(prefix, fam)
+    D, E, F, _, opts = families.block_dims(config)   # options first: ValueError for what moepar cannot express
+    if safetensors is not None:
+        source = safetensors.block(prefix, fam)
     elif block is not None:
         if type(block).__name__ != fam.block_class:
             raise ValueError(f"block is a {type(block).__name__}, but model_type={fam.model_type!r} "
                              f"has {fam.block_class} blocks")
         source = DictSource(dict(block.state_dict()))
     else:
-        raise ValueError("convert_block needs a block or a checkpoint to read the weights from")
+        raise ValueError("convert_block needs a block or a safetensors checkpoint to read the weights from")
     check_source(source, config)
     opts.update(overrides)
     first = families.expert_keys(fam, E)[0]
     dtype = source.dtype(first)
     # A block built on the meta device has no values to copy: the MoE is built there too,
     # and transformers' init_weights (after to_empty) initialises it (moepar.hf.init).
-    meta = block is not None and checkpoint is None and source.tensors[first].is_meta
+    meta = block is not None and safetensors is None and source.tensors[first].is_meta
     with torch.device("meta") if meta else contextlib.nullcontext():
-        moe = MoE(D, E, state.ep_size, ffn_hidden=Fh, expert_tensor_parallel_size=state.etp_size, state=state,
+        moe = MoE(D, E, state.ep_size, ffn_hidden=F, expert_tensor_parallel_size=state.etp_size, state=state,
                   init_seed=0, dtype=dtype, **opts)
     if not meta:
-        load_weights(moe, fam, source, Fh)
+        load_weights(moe, fam, source, F)
     if block is not None:
         moe.train(block.training)   # e.g. no router jitter for a block in eval mode
     return moe
 
 
 @torch.no_grad()
-def load_weights(moe: MoE, fam: Family, source, Fh: int) -> None:
+def load_weights(moe: MoE, fam: Family, source, F: int) -> None:
     """Copy this rank's share of the source's tensors into ``moe``."""
-    for name, e, t in families.local_parts(moe, fam, source, Fh):
+    for name, e, t in families.local_parts(moe, fam, source, F):
         p = moe.get_parameter(name) if name != "router.expert_bias" else moe.router.expert_bias
         (p if e is None else p[e:e + 1]).copy_(t)
 
@@ -178,12 +180,12 @@ def moe_block_names(model: nn.Module, config=None) -> list[str]:
     return [n for n, m in model.named_modules() if type(m).__name__ == fam.block_class]
 
 
-def replace_moe_blocks(model: nn.Module, state: ParallelState | None = None, *, checkpoint=None,
+def replace_moe_blocks(model: nn.Module, state: ParallelState | None = None, *, safetensors=None,
                        **overrides) -> int:
     """Swap every sparse-MoE block of the HF ``model`` for an ``HFMoEBlock`` (a moepar MoE
     with the block's call convention), in place; returns how many were replaced.
-    ``checkpoint``: read each block's weights (this rank's experts only) from it instead
-    of from the block. ``overrides`` as in ``convert_block``."""
+    ``safetensors`` (a ``SafetensorsCheckpoint``): read each block's weights (this rank's
+    experts only) from it instead of from the block. ``overrides`` as in ``convert_block``."""
     config = text_config(model)
     fam = families.family_of(config)
     names = moe_block_names(model, config)
@@ -191,9 +193,9 @@ def replace_moe_blocks(model: nn.Module, state: ParallelState | None = None, *, 
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         block = getattr(parent, attr)
-        moe = convert_block(None if checkpoint is not None else block, config, state, checkpoint=checkpoint,
+        moe = convert_block(None if safetensors is not None else block, config, state, safetensors=safetensors,
                             prefix=name + ".", **overrides)
-        new = HFMoEBlock(moe, fam, config, hf_dtypes(block if checkpoint is None else checkpoint.block(
+        new = HFMoEBlock(moe, fam, config, hf_dtypes(block if safetensors is None else safetensors.block(
             name + ".", fam), config)).train(block.training)
         if getattr(block, "_is_hf_initialized", False):   # transformers' init_weights leaves it alone
             new._is_hf_initialized = True

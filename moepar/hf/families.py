@@ -1,7 +1,8 @@
 """What each Hugging Face MoE family is in moepar's terms: its MoE options, and where its
 weights live in the block's state dict. Torch only; transformers is never imported here.
 
-Legend (docs/moe.md): E experts, D hidden, F expert ffn, Fs shared-expert ffn, L local experts.
+Legend (docs/moe.md): E experts, D hidden, F expert ffn hidden (full), Fl = F/etp the slice one
+expert-TP rank holds, Fs the shared experts' ffn hidden, L local experts.
 
 Canonical (full, unsliced) tensors every family reads into and writes from:
   router_weight [E, D], router_bias [E], expert_bias [E] (selection-only bias),
@@ -99,7 +100,7 @@ def moe_options(config) -> tuple[int, int, int, dict]:
                     aux_loss_convention="hf")
     if mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe"):
         E = _need(config, "num_local_experts" if mt == "mixtral" else "num_experts")
-        Fh = _need(config, "intermediate_size" if mt in ("mixtral", "olmoe") else "moe_intermediate_size")
+        F = _need(config, "intermediate_size" if mt in ("mixtral", "olmoe") else "moe_intermediate_size")
         # router_jitter_noise: Mixtral's block scales its whole input by the noise in training
         # (HFMoEBlock does the same); Qwen2/3-MoE and OLMoE blocks ignore it, as here.
         norm = True if mt == "mixtral" else bool(_need(config, "norm_topk_prob"))
@@ -109,11 +110,11 @@ def moe_options(config) -> tuple[int, int, int, dict]:
                         shared_expert_gate=True)
     elif mt in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
         E = _need(config, "n_routed_experts")
-        Fh = _need(config, "moe_intermediate_size")
+        F = _need(config, "moe_intermediate_size")
         opts.update(activation=_gated(config), scaling_factor=float(getattr(config, "routed_scaling_factor", 1.0)))
         n_shared = getattr(config, "n_shared_experts", 0) or 0
         if n_shared:
-            opts.update(num_shared_experts=1, shared_ffn_hidden=Fh * n_shared)
+            opts.update(num_shared_experts=1, shared_ffn_hidden=F * n_shared)
         groups, topk_groups = getattr(config, "n_group", None), getattr(config, "topk_group", None)
         if mt == "deepseek_v2":
             method = getattr(config, "topk_method", "greedy")
@@ -135,10 +136,10 @@ def moe_options(config) -> tuple[int, int, int, dict]:
             opts.update(score_func="sigmoid", normalize_weights=bool(getattr(config, "norm_topk_prob", False)),
                         expert_bias=True, num_groups=groups, topk_groups=topk_groups, group_score_topn=2)
     elif mt == "granitemoe":
-        E, Fh = _need(config, "num_local_experts"), _need(config, "intermediate_size")
+        E, F = _need(config, "num_local_experts"), _need(config, "intermediate_size")
         opts.update(activation=_gated(config), score_func="softmax_after_topk")
     elif mt == "switch_transformers":
-        E, Fh = _need(config, "num_experts"), _need(config, "d_ff")
+        E, F = _need(config, "num_experts"), _need(config, "d_ff")
         act = _activation(config, "dense_act_fn", False, "relu")
         if getattr(config, "router_dtype", "float32") != "float32":
             raise ValueError(f"switch_transformers: router_dtype={config.router_dtype!r} cannot be expressed: "
@@ -150,21 +151,21 @@ def moe_options(config) -> tuple[int, int, int, dict]:
         if jitter > 0:
             opts.update(noisy_gate_policy="jitter", noise_eps=float(jitter))
     elif mt == "gpt_oss":
-        E, Fh = _need(config, "num_local_experts"), _need(config, "intermediate_size")
+        E, F = _need(config, "num_local_experts"), _need(config, "intermediate_size")
         opts.update(activation="clamped_swiglu", activation_limit=float(_need(config, "swiglu_limit")),
                     activation_alpha=float(_need(config, "swiglu_alpha")), bias=True, router_bias=True,
                     score_func="softmax_after_topk")
     else:  # llama4 / llama4_text
-        E, Fh = _need(config, "num_local_experts"), _need(config, "intermediate_size")
+        E, F = _need(config, "num_local_experts"), _need(config, "intermediate_size")
         opts.update(activation=_gated(config), score_func="sigmoid", normalize_weights=False,
-                    score_before_experts=True, num_shared_experts=1, shared_ffn_hidden=Fh)
-    return D, E, Fh, opts
+                    score_before_experts=True, num_shared_experts=1, shared_ffn_hidden=F)
+    return D, E, F, opts
 
 
 # ---- weights: HF keys (relative to the block) <-> canonical tensors ----------------------
 
 def expert_keys(fam: Family, E: int) -> list[str]:
-    """The HF keys holding the experts (for a checkpoint check and the way back)."""
+    """The HF keys holding the experts (for a safetensors checkpoint check and the way back)."""
     if fam.layout == "per_expert":
         return [f"experts.expert_{e}.{n}.weight" for e in range(E) for n in ("wi", "wo")]
     keys = ["experts.gate_up_proj", "experts.down_proj"]
@@ -173,8 +174,9 @@ def expert_keys(fam: Family, E: int) -> list[str]:
     return keys
 
 
-def read_experts(fam: Family, get: Getter, lo: int, hi: int, Fh: int) -> dict[str, torch.Tensor]:
-    """Canonical w1/w3/w2 (and b1/b3/b2) of experts lo..hi-1, reading only those experts."""
+def read_experts(fam: Family, get: Getter, lo: int, hi: int, F: int) -> dict[str, torch.Tensor]:
+    """Canonical w1/w3/w2 (and b1/b3/b2) of experts lo..hi-1, reading only those experts.
+    ``F``: the source's expert ffn width (``Fl`` when it holds one expert-TP rank's columns)."""
     rows = slice(lo, hi)
     if fam.layout == "per_expert":
         wi = torch.stack([get(f"experts.expert_{e}.wi.weight", None) for e in range(lo, hi)])   # [L, F, D]
@@ -182,9 +184,9 @@ def read_experts(fam: Family, get: Getter, lo: int, hi: int, Fh: int) -> dict[st
         return {"w1": wi.transpose(1, 2), "w2": wo.transpose(1, 2)}
     gu, down = get("experts.gate_up_proj", rows), get("experts.down_proj", rows)
     if fam.layout == "fused_chunk":                       # [L, 2F, D], [L, D, F]
-        return {"w1": gu[:, :Fh].transpose(1, 2), "w3": gu[:, Fh:].transpose(1, 2), "w2": down.transpose(1, 2)}
+        return {"w1": gu[:, :F].transpose(1, 2), "w3": gu[:, F:].transpose(1, 2), "w2": down.transpose(1, 2)}
     if fam.layout == "chunk_in_out":                      # [L, D, 2F], [L, F, D]
-        return {"w1": gu[..., :Fh], "w3": gu[..., Fh:], "w2": down}
+        return {"w1": gu[..., :F], "w3": gu[..., F:], "w2": down}
     gub = get("experts.gate_up_proj_bias", rows)          # interleaved: [L, D, 2F], [L, 2F]
     return {"w1": gu[..., 0::2], "w3": gu[..., 1::2], "w2": down,
             "b1": gub[:, 0::2], "b3": gub[:, 1::2], "b2": get("experts.down_proj_bias", rows)}
@@ -205,9 +207,9 @@ def write_experts(fam: Family, full: dict[str, torch.Tensor]) -> dict[str, torch
                 "experts.down_proj": w2.transpose(1, 2).contiguous()}
     if fam.layout == "chunk_in_out":
         return {"experts.gate_up_proj": torch.cat([w1, w3], dim=2).contiguous(), "experts.down_proj": w2.contiguous()}
-    E, D, Fh = w1.shape
-    gu = torch.stack([w1, w3], dim=-1).reshape(E, D, 2 * Fh)
-    gub = torch.stack([full["b1"], full["b3"]], dim=-1).reshape(E, 2 * Fh)
+    E, D, F = w1.shape
+    gu = torch.stack([w1, w3], dim=-1).reshape(E, D, 2 * F)
+    gub = torch.stack([full["b1"], full["b3"]], dim=-1).reshape(E, 2 * F)
     return {"experts.gate_up_proj": gu.contiguous(), "experts.gate_up_proj_bias": gub.contiguous(),
             "experts.down_proj": w2.contiguous(), "experts.down_proj_bias": full["b2"].contiguous()}
 
@@ -228,35 +230,35 @@ def dense_keys(fam: Family, router_bias: bool = False) -> dict[str, str]:
     return out
 
 
-def expected_shapes(fam: Family, E: int, D: int, Fh: int, S: int, router_bias: bool) -> dict[str, tuple]:
+def expected_shapes(fam: Family, E: int, D: int, F: int, Fs: int, router_bias: bool) -> dict[str, tuple]:
     """HF key -> full shape, for every tensor the block must have (checked on every rank
     before anything is built, so a misshapen or missing tensor raises everywhere alike)."""
     if fam.layout == "per_expert":
         out = {}
         for e in range(E):
-            out[f"experts.expert_{e}.wi.weight"] = (Fh, D)
-            out[f"experts.expert_{e}.wo.weight"] = (D, Fh)
+            out[f"experts.expert_{e}.wi.weight"] = (F, D)
+            out[f"experts.expert_{e}.wo.weight"] = (D, F)
     elif fam.layout == "fused_chunk":
-        out = {"experts.gate_up_proj": (E, 2 * Fh, D), "experts.down_proj": (E, D, Fh)}
+        out = {"experts.gate_up_proj": (E, 2 * F, D), "experts.down_proj": (E, D, F)}
     else:
-        out = {"experts.gate_up_proj": (E, D, 2 * Fh), "experts.down_proj": (E, Fh, D)}
+        out = {"experts.gate_up_proj": (E, D, 2 * F), "experts.down_proj": (E, F, D)}
         if fam.layout == "interleaved":
-            out.update({"experts.gate_up_proj_bias": (E, 2 * Fh), "experts.down_proj_bias": (E, D)})
-    dims = {"router_weight": (E, D), "router_bias": (E,), "expert_bias": (E,), "shared_w1": (S, D),
-            "shared_w3": (S, D), "shared_w2": (D, S), "shared_gate": (1, D)}
+            out.update({"experts.gate_up_proj_bias": (E, 2 * F), "experts.down_proj_bias": (E, D)})
+    dims = {"router_weight": (E, D), "router_bias": (E,), "expert_bias": (E,), "shared_w1": (Fs, D),
+            "shared_w3": (Fs, D), "shared_w2": (D, Fs), "shared_gate": (1, D)}
     for name, key in dense_keys(fam, router_bias).items():
         out[key] = dims[name]
     return out
 
 
 def block_dims(config):
-    """(D, E, F, shared F or 0, MoE options) of ``config``'s block."""
-    D, E, Fh, opts = moe_options(config)
-    S = opts.get("shared_ffn_hidden", 0) if opts.get("num_shared_experts") else 0
-    return D, E, Fh, S, opts
+    """(D, E, F, Fs or 0, MoE options) of ``config``'s block."""
+    D, E, F, opts = moe_options(config)
+    Fs = opts.get("shared_ffn_hidden", 0) if opts.get("num_shared_experts") else 0
+    return D, E, F, Fs, opts
 
 
-def local_parts(moe: MoE, fam: Family, source, Fh: int, local: bool = False):
+def local_parts(moe: MoE, fam: Family, source, F: int, local: bool = False):
     """This rank's share of the source's tensors, as (name in ``moe``, local expert or None,
     tensor) one expert at a time (the read's temporaries stay one expert large).
     ``local``: the source holds this rank's shard already, in the HF layout (``names``):
@@ -268,7 +270,7 @@ def local_parts(moe: MoE, fam: Family, source, Fh: int, local: bool = False):
     cols = slice(ex.etp_rank * Fl, (ex.etp_rank + 1) * Fl)
     for e in range(L):
         g = lo + e if not local or fam.layout == "per_expert" else e
-        full = read_experts(fam, source.get, g, g + 1, Fl if local else Fh)
+        full = read_experts(fam, source.get, g, g + 1, Fl if local else F)
         for name, t in full.items():
             if not local and name in ("w1", "w3"):
                 t = t[:, :, cols]

@@ -71,8 +71,8 @@ def _put(p, value) -> None:
 def init_block(block) -> None:
     """Initialise an ``HFMoEBlock``'s tensors as transformers initialises its family's block
     (``init_spec``); this rank's share of each (its experts, its ffn columns, its TP rows).
-    Tensors flagged ``_is_hf_initialized`` (read from a checkpoint) keep their values; the
-    draws are the same either way."""
+    Tensors flagged ``_is_hf_initialized`` (read from a safetensors checkpoint) keep their
+    values; the draws are the same either way."""
     moe, spec = block.moe, init_spec(block.hf_config)
     seed = int(torch.randint(0, 2 ** 62, (), device="cpu"))
     r, ex, sh, st = moe.router, moe.experts, moe.shared, moe.state
@@ -84,8 +84,8 @@ def init_block(block) -> None:
             r.expert_bias.zero_()
         r.load_accum.zero_()
     cols = slice(ex.etp_rank * ex.ffn_local, (ex.etp_rank + 1) * ex.ffn_local)
-    D, Fh = ex.hidden, ex.ffn_hidden
-    full_shapes = {"w1": (D, Fh), "w3": (D, Fh), "w2": (Fh, D), "b1": (Fh,), "b3": (Fh,), "b2": (D,)}
+    D, F = ex.hidden, ex.ffn_hidden
+    full_shapes = {"w1": (D, F), "w3": (D, F), "w2": (F, D), "b1": (F,), "b3": (F,), "b2": (D,)}
     local = {}
     for name, view in canonical_local(ex).items():   # [L, ...] this rank's experts
         t_local = torch.empty(view.shape, dtype=torch.float32, device="cpu")

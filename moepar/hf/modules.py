@@ -23,7 +23,8 @@ Every expert tensor keeps moepar's markers (``moepar_expert``, ``moepar_expert_p
 of its own layout), also when transformers' loader replaces the Parameter object
 (``setattr``): ``register_parameter`` puts them back.
 
-Legend: L local experts, D hidden, Fl this rank's expert ffn columns.
+Legend (docs/moe.md): L local experts, D hidden, Fl = F/etp the slice of the expert ffn hidden
+F one expert-TP rank holds (this rank's ffn columns).
 """
 from __future__ import annotations
 

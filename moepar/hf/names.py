@@ -47,13 +47,13 @@ def load_hook(block, state_dict, prefix, local_metadata, strict, missing_keys, u
     if all(source.shape(k) in (None, v) for k, v in mine.items()) and not any(
             k.startswith(prefix + "experts.") and k[len(prefix):] not in mine for k in state_dict):
         return   # this rank's shapes (or nothing of the block): torch's loading as usual
-    D, E, Fh, S, _ = families.block_dims(cfg)
-    full = families.expected_shapes(fam, E, D, Fh, S, moe.router.bias is not None)
+    D, E, F, Fs, _ = families.block_dims(cfg)
+    full = families.expected_shapes(fam, E, D, F, Fs, moe.router.bias is not None)
     if not all(source.shape(k) == v for k, v in full.items()):
         return   # neither this rank's nor the full shapes: torch reports the mismatch
     local: dict[str, torch.Tensor] = {}
     dense: dict[str, torch.Tensor] = {}
-    for name, e, t in families.local_parts(moe, fam, source, Fh):
+    for name, e, t in families.local_parts(moe, fam, source, F):
         if e is None:
             dense[name] = t
             continue

@@ -193,7 +193,7 @@ def load_pretrained(path: str, state: ParallelState | None = None, model_class=N
     with params_on_meta():
         model = cls.from_config(config)
     ckpt = SafetensorsCheckpoint(path)
-    n = replace_moe_blocks(model, state, checkpoint=ckpt, **overrides)
+    n = replace_moe_blocks(model, state, safetensors=ckpt, **overrides)
     tied = []
     with torch.no_grad():
         for name, p in list(model.named_parameters(remove_duplicate=False)):

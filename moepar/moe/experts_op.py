@@ -9,7 +9,7 @@ inside the op at run time, and the compiled graph holds one opaque node with a f
 the same Function (same GEMM paths, same numbers) without keeping its intermediates;
 ``moepar::experts_bwd`` recomputes the forward inside and returns every gradient (absent
 tensors as empty ones). The price is one extra forward of the experts in backward, like
-activation checkpointing, and only under ``torch.compile``.
+activation recomputation, and only under ``torch.compile``.
 """
 from __future__ import annotations
 

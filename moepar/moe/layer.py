@@ -61,7 +61,7 @@ class MoE(nn.Module):
         shard = ExpertShard(self.num_local_experts, state.ep_rank * self.num_local_experts, self.etp, state.etp_rank)
         self.experts = GroupedExperts(dataclasses.replace(cfg, init_seed=init_seed + 1), shard)
         self.replicas = None
-        if cfg.exchange.redundant_experts:   # E + R slots per EP group (moepar.moe.replicas)
+        if cfg.exchange.redundant_experts:   # E + X slots per EP group (moepar.moe.replicas)
             self.replicas = self.experts.replicas = Replicas(cfg.num_experts, cfg.exchange.redundant_experts,
                                                              cfg.ep_size, state, stats=None)
         self.shared = None
@@ -73,7 +73,7 @@ class MoE(nn.Module):
         if self.replicas is not None:
             self.replicas.stats = self._stats.comm
         self._losses: dict[str, torch.Tensor | None] = {"aux": None, "z": None}
-        # Set when the last forward ran under no_grad in training (the reentrant checkpoint's
+        # Set when the last forward ran under no_grad in training (the reentrant recompute's
         # forward): the losses are then read through taps (moepar.moe.recompute).
         self._loss_cell: LossCell | None = None
         self._replay = Replay()
@@ -202,7 +202,7 @@ class MoE(nn.Module):
 
     def _keep_routing(self, routing, tokens: int):
         """Keep this training forward's routing for a recompute; under no_grad (the reentrant
-        checkpoint's forward) with a cell that will carry its losses' gradient."""
+        recompute's forward) with a cell that will carry its losses' gradient."""
         cell = None if torch.is_grad_enabled() else LossCell()
         record = Record(tokens, routing.expert_ids, routing.dropped, routing.noise_rng, cell)
         self._loss_cell = cell

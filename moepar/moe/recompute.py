@@ -1,5 +1,5 @@
 """Activation recompute and the router: each real forward counted once, the recompute routed
-exactly as the forward was, the aux and z losses' gradients kept under reentrant checkpoint.
+exactly as the forward was, the aux and z losses' gradients kept under the reentrant recompute.
 
 A recompute (``torch.utils.checkpoint``, either flavour, or any recompute that re-runs the
 layer's forward from inside the backward) calls ``MoE.forward`` a second time for the same
@@ -30,7 +30,7 @@ forward that is never backpropagated leaves nothing behind; one made under ``no_
 reentrant flavour's forward) is held by the layer until its recompute takes it, at most
 ``DETACHED_RECORDS`` of them, and ``model.eval()`` drops them. Under ``torch.compile`` the
 layer keeps no records (a traced graph has no Python-side state): a compiled region is
-recomputed by the compiler's own checkpointing, from the graph it traced.
+recomputed by the compiler's own activation recomputation, from the graph it traced.
 """
 from __future__ import annotations
 
@@ -171,7 +171,7 @@ class _LossTap(torch.autograd.Function):
 
 def tapped(value: torch.Tensor, cell: LossCell, name: str) -> torch.Tensor:
     """A no_grad loss made a graph leaf whose gradient reaches the recompute. Created when the
-    loss is read, after the forward, so that autograd runs the tap before the checkpoint's
+    loss is read, after the forward, so that autograd runs the tap before the
     recompute (nodes made later run first)."""
     anchor = torch.zeros((), device=value.device, requires_grad=True)
     with torch.enable_grad():

@@ -61,7 +61,7 @@ def test_bad_input_names_the_problem():
     v2 = hf_cases.config("deepseek_v2")
     v2.topk_method = "noaux_tc"
     with pytest.raises(ValueError, match="topk_method='noaux_tc'"):
-        convert_block(None, v2, checkpoint=None)
+        convert_block(None, v2, safetensors=None)
     sd = dict(blk.state_dict())
     del sd["experts.down_proj"]
     with pytest.raises(ValueError, match=r"missing tensors \['experts.down_proj'\]"):
