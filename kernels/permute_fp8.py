@@ -1,11 +1,11 @@
 """Permute and quantize in one pass: the send buffer of the FP8 dispatch.
 
 Legend (``permute.py``): T tokens, D hidden, K routes per token, N rows, ``route_N[n]`` the
-route of row n (its token is ``route_N[n] // K``, -1 a padding row); B = ceil(D / 128)
-scale blocks per row, P = D + 4·B bytes per packed row.
+route of row n (its token is ``route_N[n] // K``, -1 a padding row); Q = ceil(D / 128)
+scale blocks per row, V = D + 4·Q bytes per packed row.
 
-``permute_quantize(x_TD, route_N, K)`` returns ``packed_NP`` (uint8): row n holds the
-float8_e4m3fn values of token ``route_N[n] // K``, then the B fp32 scales' bytes
+``permute_quantize(x_TD, route_N, K)`` returns ``packed_NV`` (uint8): row n holds the
+float8_e4m3fn values of token ``route_N[n] // K``, then the Q fp32 scales' bytes
 (little-endian), the wire format ``moepar.moe.fp8`` sends and unpacks. One kernel pass
 reads each routed token row once and writes its FP8 row and scales in expert-major order;
 the unquantized permuted rows are never materialized.
@@ -49,12 +49,12 @@ FP8 = torch.float8_e4m3fn
 
 
 def scale_blocks(D: int) -> int:
-    """B: scale blocks per row of D channels."""
+    """Q: scale blocks per row of D channels."""
     return -(-D // BLOCK)
 
 
 def packed_width(D: int) -> int:
-    """P: bytes of one packed row, D FP8 values then B fp32 scales."""
+    """V: bytes of one packed row, D FP8 values then Q fp32 scales."""
     return D + 4 * scale_blocks(D)
 
 
@@ -87,15 +87,15 @@ if triton is not None:
     @triton.jit
     def _permute_quantize_kernel(src_ptr, route_ptr, bytes_ptr, num_rows, D, K, stride_src, stride_out,
                                  BF16_BITS: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr):
-        # grid: (row tiles, scale blocks); one program quantizes BLOCK_N rows' block b.
+        # grid: (row tiles, scale blocks); one program quantizes BLOCK_N rows' scale block ``block``.
         pid = tl.program_id(0)
-        b = tl.program_id(1)
+        block = tl.program_id(1)
         rows = pid.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < num_rows
         route = tl.load(route_ptr + rows, mask=row_ok, other=-1).to(tl.int64)
         valid = route >= 0
         tok = tl.where(valid, route // K, 0)
-        c = b * QBLOCK + tl.arange(0, QBLOCK)
+        c = block * QBLOCK + tl.arange(0, QBLOCK)
         c_ok = c < D
         x = tl.load(src_ptr + tok[:, None] * stride_src + c[None, :], mask=valid[:, None] & c_ok[None, :], other=0)
         if BF16_BITS:   # bf16 rows read as int16: fp32 = the bits shifted up (denormals kept)
@@ -115,19 +115,19 @@ if triton is not None:
         out = rows[:, None] * stride_out + c[None, :]
         tl.store(bytes_ptr + out, _e4m3_bits(y).to(tl.uint8), mask=row_ok[:, None] & c_ok[None, :])
         bits = tl.where(n_bad > 0, 0x7FC00000, scale.to(tl.int32, bitcast=True))   # torch's NaN, not the GPU's
-        at = bytes_ptr + rows * stride_out + D + 4 * b
+        at = bytes_ptr + rows * stride_out + D + 4 * block
         for j in tl.static_range(4):
             tl.store(at + j, ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=row_ok)
 
 
 def quantize_reference(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(q_ND float8_e4m3fn, scale_NB fp32) by the rule above, in plain torch."""
+    """(q_ND float8_e4m3fn, scale_NQ fp32) by the rule above, in plain torch."""
     N, D = x_ND.shape
-    B = scale_blocks(D)
+    Q = scale_blocks(D)
     x = x_ND.detach().float()
-    if B * BLOCK != D:
-        x = F.pad(x, (0, B * BLOCK - D))
-    blocks = x.view(N, B, BLOCK)
+    if Q * BLOCK != D:
+        x = F.pad(x, (0, Q * BLOCK - D))
+    blocks = x.view(N, Q, BLOCK)
     bad = ~torch.isfinite(blocks).all(-1)
     amax = torch.where(torch.isfinite(blocks), blocks.abs(), 0.0).amax(-1)
     # a tensor divisor: CUDA computes ``tensor / python_float`` as a product with the
@@ -136,14 +136,14 @@ def quantize_reference(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.where(bad, float("nan"), scale)
     y = (blocks / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX)
     q = torch.where(bad[..., None], 0.0, y).to(FP8)
-    return q.view(N, B * BLOCK)[:, :D], scale
+    return q.view(N, Q * BLOCK)[:, :D], scale
 
 
-def pack(q_ND: torch.Tensor, scale_NB: torch.Tensor) -> torch.Tensor:
-    """[N, P] uint8: each row's FP8 values, then its fp32 scales' bytes."""
+def pack(q_ND: torch.Tensor, scale_NQ: torch.Tensor) -> torch.Tensor:
+    """[N, V] uint8: each row's FP8 values, then its fp32 scales' bytes."""
     N = q_ND.shape[0]
     return torch.cat([q_ND.contiguous().view(torch.uint8),
-                      scale_NB.contiguous().view(torch.uint8).view(N, -1)], 1)
+                      scale_NQ.contiguous().view(torch.uint8).view(N, -1)], 1)
 
 
 def permute_quantize_reference(x_TD: torch.Tensor, route_N: torch.Tensor, K: int) -> torch.Tensor:
@@ -168,7 +168,7 @@ def _permute_quantize(x_TD: torch.Tensor, route_N: torch.Tensor, K: int) -> torc
 
 
 def permute_quantize(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, *, impl: str = "auto") -> torch.Tensor:
-    """``packed_NP`` (uint8, on x's device): row n the FP8 row and scales of token
+    """``packed_NV`` (uint8, on x's device): row n the FP8 row and scales of token
     ``route_N[n] // K`` (zeros and scale 1 where ``route_N[n] < 0``). Not differentiable:
     the FP8 dispatch passes the gradient straight through (``moepar.moe.fp8``)."""
     if impl not in IMPLS:

@@ -1,7 +1,7 @@
 """Fused top-k routing: scores, top-k selection, weight normalisation and the per-expert
 route histogram in one launch, plus its torch reference (the path off CUDA).
 
-Legend: T tokens, E experts, K routes per token (top-k), P programs of the launch.
+Legend (docs/moe.md): T tokens, E experts, K routes per token (top-k), G expert groups.
 
 Semantics (kernel and reference alike):
 
@@ -52,7 +52,7 @@ if triton is not None:
                         NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
                         BLOCK_K: tl.constexpr):
         # SCORE: 0 softmax, 1 sigmoid, 2 softmax_after_topk. Each program walks row blocks
-        # pid, pid + P, ... and keeps its own expert histogram, written once at the end
+        # pid, pid + nprog, ... and keeps its own expert histogram, written once at the end
         # into hist_ptr[pid, :E] (no atomics: summed by the launcher, deterministic).
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
@@ -184,13 +184,13 @@ def _launch(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Opt
         grid = min(nblocks, 8 * sms)
     else:
         grid = min(nblocks, 4)   # interpreter: a few programs still exercise the block loop
-    hist_PE = torch.empty((grid, E), dtype=torch.int32, device=dev)
+    hist_per_program = torch.empty((grid, E), dtype=torch.int32, device=dev)
     _routing_kernel[(grid,)](
-        logits_TE, bias, ids_TK, weights_TK, hist_PE, T, E, logits_TE.stride(0), float(scaling_factor),
+        logits_TE, bias, ids_TK, weights_TK, hist_per_program, T, E, logits_TE.stride(0), float(scaling_factor),
         K=k, SCORE=SCORE_FUNCS.index(score_func), HAS_BIAS=expert_bias_E is not None,
         NORMALIZE=bool(normalize), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(k),
         num_warps=num_warps if num_warps > 0 else 4)   # untuned default: see the bench's --tune
-    return ids_TK, weights_TK, hist_PE.sum(0, dtype=torch.int64)
+    return ids_TK, weights_TK, hist_per_program.sum(0, dtype=torch.int64)
 
 
 def _routing_impl(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
@@ -341,8 +341,8 @@ def _group_mask(aff_TE: torch.Tensor, k: int, num_groups: int, topk_groups: int,
     per = E // num_groups
     top = min(per, max(1, k // topk_groups) if group_topn is None else group_topn)
     g_TG = aff_TE.view(T, num_groups, per).topk(top, dim=-1).values.sum(-1)
-    best_TM = torch.sort(g_TG, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
-    keep_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=aff_TE.device).scatter(1, best_TM, True)
+    best_groups = torch.sort(g_TG, dim=-1, descending=True, stable=True).indices[:, :topk_groups]
+    keep_TG = torch.zeros(T, num_groups, dtype=torch.bool, device=aff_TE.device).scatter(1, best_groups, True)
     return keep_TG.repeat_interleave(per, dim=1)
 
 

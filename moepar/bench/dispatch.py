@@ -1,14 +1,15 @@
 """``torchrun --nproc_per_node=4 -m moepar bench dispatch``: the all-to-all dispatch of the MoE
 layer across processes, against the raw collective.
 
-Legend: T tokens per rank, D hidden, F ffn hidden, E experts, K top-k, L = E/ep local
-experts, S/R rows this rank sends/receives (its routes, its experts' rows).
+Legend (docs/moe.md): T tokens per rank, D hidden, F ffn hidden, E experts, K top-k, L = E/ep
+local experts, R rows this rank sends (its routes), M rows its experts receive, b bytes per
+element.
 
-For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp = W/ep):
+For each ep in ``--ep`` (default 2 and 4; the world is split into ep groups, dp = world size / ep):
 
 * **dispatch + combine**: the real ``Dispatcher`` forward and backward with identity experts,
   as the MoE layer calls it (``source_major=True``: its experts take the rows source-major)
-  (permute, the counts all-gather, the token all-to-all S*D*b — on gloo one call whose rows
+  (permute, the counts all-gather, the token all-to-all R*D*b — on gloo one call whose rows
   stay source-major (``--source-major off``: a local regroup); with NCCL one call and a
   local regroup; with dedup (``--dedup``, see the dispatcher) one row per
   token and destination rank plus a small side all-to-all; column "a2a" — the
@@ -120,9 +121,9 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
 
     def raw_calls(send, recv):
         """The same 4 all_to_all_single calls of these splits, on preallocated buffers."""
-        S, R = sum(send), sum(recv)
-        a_send, b_send = torch.randn(S, D), torch.empty(S, D)
-        a_recv, b_recv = torch.randn(R, D), torch.empty(R, D)
+        R, M = sum(send), sum(recv)
+        a_send, b_send = torch.randn(R, D), torch.empty(R, D)
+        a_recv, b_recv = torch.randn(M, D), torch.empty(M, D)
 
         def calls():
             dist.all_to_all_single(b_recv, a_send, recv, send, group=group)   # dispatch forward
@@ -170,8 +171,8 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
             # measured here (torch.sum over the K axis of [T, K, D] took 2-4x as long).
             F.embedding_bag(bags, fl_back, mode="sum")
 
-    w3 = w.detach().float().view(T, K, 1)
-    w_TK = w3.view(T, K)
+    w_TK1 = w.detach().float().view(T, K, 1)
+    w_TK = w_TK1.view(T, K)
     dw = torch.empty(T, K)
     step = max(1, (1 << 19) // (K * D))     # tokens per 2 MB chunk of the weights' gradient
 
@@ -183,10 +184,10 @@ def bench_dispatch(cfg_name: str, ep: int, state, rounds: int, warmup: int, dedu
         fl_send.view(T, K, D).copy_(xd[:, None, :].expand(T, K, D))
         there_and_back()
         F.embedding_bag(bags, fl_back, mode="sum", per_sample_weights=w_TK)
-        y3 = fl_back.view(T, K, D)
+        y_TKD = fl_back.view(T, K, D)
         for t0 in range(0, T, step):
-            torch.linalg.vecdot(y3[t0:t0 + step], g[t0:t0 + step, None, :], out=dw[t0:t0 + step])
-        torch.mul(g[:, None, :], w3, out=fl_send.view(T, K, D))
+            torch.linalg.vecdot(y_TKD[t0:t0 + step], g[t0:t0 + step, None, :], out=dw[t0:t0 + step])
+        torch.mul(g[:, None, :], w_TK1, out=fl_send.view(T, K, D))
         there_and_back()
         F.embedding_bag(bags, fl_back, mode="sum")
 

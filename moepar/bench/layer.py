@@ -6,7 +6,8 @@ unpermute, forward + backward, every gradient, aux loss included) against
 (b) a plain-torch reference MoE with dense one-hot dispatch (``reference_moe``);
 (c) DeepSpeed-MoE and Megatron-Core when importable (``peers``), on the same weights.
 
-Legend: T tokens, D hidden, F ffn hidden, E experts, K top-k, N = T*K routes (dropless).
+Legend (docs/moe.md): T tokens, D hidden, F ffn hidden, E experts, K top-k, N = T*K rows of
+the permuted buffer (dropless: one per route).
 
 Timing: median over rounds after warm-up; the floor candidates and moepar are interleaved
 round by round in one group, and each other yardstick in a group of its own with moepar
@@ -68,10 +69,10 @@ class LayerConfig:
             raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
 
 
-_A = LayerConfig(4096, 512, 2048, 8, 2, floor_limit=1.10, peer_limit=1.0)
-_B = LayerConfig(4096, 256, 256, 64, 8, floor_limit=1.30, peer_limit=1.0)
-_C = dataclasses.replace(_A, skew=2.5, floor_limit=1.30, peer_limit=0.5, ds_drop_tokens=False)
-CONFIGS = {"A": _A, "B": _B, "C": _C}
+_CONFIG_A = LayerConfig(4096, 512, 2048, 8, 2, floor_limit=1.10, peer_limit=1.0)
+_CONFIG_B = LayerConfig(4096, 256, 256, 64, 8, floor_limit=1.30, peer_limit=1.0)
+_CONFIG_C = dataclasses.replace(_CONFIG_A, skew=2.5, floor_limit=1.30, peer_limit=0.5, ds_drop_tokens=False)
+CONFIGS = {"A": _CONFIG_A, "B": _CONFIG_B, "C": _CONFIG_C}
 for _n, _c in list(CONFIGS.items()):   # D: the bf16 variants (no limits)
     CONFIGS[f"{_n}-bf16"] = dataclasses.replace(_c, dtype="bf16", floor_limit=None, peer_limit=None)
 
@@ -84,13 +85,13 @@ def parse_config(spec: str) -> LayerConfig:
     parts = spec.split(":")
     dtype = parts.pop() if parts and parts[-1] in DTYPES else "fp32"
     try:
-        T, D, Fh, E, K = (int(v) for v in parts[:5])
+        T, D, F, E, K = (int(v) for v in parts[:5])
         skew = float(parts[5]) if len(parts) == 6 else None
         if len(parts) not in (5, 6):
             raise ValueError
     except ValueError:
         raise ValueError(f"config {spec!r} must be one of {sorted(CONFIGS)} or T:D:F:E:K[:skew][:bf16]") from None
-    return LayerConfig(T, D, Fh, E, K, skew=skew, dtype=dtype, ds_drop_tokens=skew is None)
+    return LayerConfig(T, D, F, E, K, skew=skew, dtype=dtype, ds_drop_tokens=skew is None)
 
 
 FLOOR_PREFIX = "floor: "
@@ -115,8 +116,8 @@ def skew_input_shift(gate_ED: torch.Tensor, x_TD: torch.Tensor, k: int, target: 
     the busiest expert gets ``target`` x the mean load on these tokens. The shift lives in
     the input, so every implementation sees the same skewed routing from the same gate."""
     E = gate_ED.shape[0]
-    W = gate_ED.double()
-    logits = x_TD.double() @ W.t()
+    gate = gate_ED.double()
+    logits = x_TD.double() @ gate.t()
     rank = torch.log1p(torch.arange(E, dtype=torch.float64))
 
     def ratio(s: float) -> float:
@@ -136,9 +137,9 @@ def skew_input_shift(gate_ED: torch.Tensor, x_TD: torch.Tensor, k: int, target: 
 
 def zipf_input_shift(gate_ED: torch.Tensor, s: float) -> torch.Tensor:
     """u_D with ``gate_ED @ u = -s * ln(1 + e)`` (least-norm; the gate has full row rank)."""
-    W = gate_ED.double()
-    offset_E = -s * torch.log1p(torch.arange(W.shape[0], dtype=torch.float64))
-    return (torch.linalg.pinv(W) @ offset_E).float()
+    gate = gate_ED.double()
+    offset_E = -s * torch.log1p(torch.arange(gate.shape[0], dtype=torch.float64))
+    return (torch.linalg.pinv(gate) @ offset_E).float()
 
 
 class LayerCase:

@@ -2,7 +2,8 @@
 unpermute, forward + backward, every gradient) against the floor, the fastest available
 implementation of the expert GEMMs and activation alone on the same already-permuted rows.
 
-Legend: T tokens, D hidden, F ffn hidden, E experts, K top-k, N = T*K routes (no drops).
+Legend (docs/moe.md): T tokens, D hidden, F ffn hidden (``ffn`` in code, beside torch's F), E
+experts, K top-k, N = T*K rows of the permuted buffer (one per route: no drops).
 
 Floor candidates (forward + backward, grads to the rows and the weights): GroupedExperts'
 own Function on each GEMM path, and two plain-autograd implementations (a per-expert
@@ -47,10 +48,10 @@ def random_routes(T: int, E: int, K: int, device, seed: int = 0):
     return ids.to(device), w.to(device)
 
 
-def expert_flops(N: int, D: int, Fh: int, activation: str) -> float:
+def expert_flops(N: int, D: int, ffn: int, activation: str) -> float:
     """Forward + backward GEMM flops: 3 x (2 or 3 GEMMs of 2*N*D*F)."""
     gemms = 3 if activation == "swiglu" else 2
-    return 3.0 * gemms * 2.0 * N * D * Fh
+    return 3.0 * gemms * 2.0 * N * D * ffn
 
 
 def _act(h1, h3, activation):
@@ -112,10 +113,10 @@ def _minor_faults() -> int:
         return 0
 
 
-def bench_config(name: str, T: int, D: int, Fh: int, E: int, K: int, dtype, device, activation: str,
+def bench_config(name: str, T: int, D: int, ffn: int, E: int, K: int, dtype, device, activation: str,
                  rounds: int, warmup: int, clock: str = "wall") -> dict:
     torch.manual_seed(0)
-    m = GroupedExperts(E, D, Fh, activation, init_seed=1, dtype=dtype).to(device)
+    m = GroupedExperts(E, D, ffn, activation, init_seed=1, dtype=dtype).to(device)
     ids, w_TK = random_routes(T, E, K, device)
     x_TD = torch.randn(T, D, dtype=dtype, device=device)
     g_TD = torch.randn(T, D, dtype=dtype, device=device)
@@ -162,10 +163,10 @@ def bench_config(name: str, T: int, D: int, Fh: int, E: int, K: int, dtype, devi
     m.gemm_path = "auto"
     auto_path = m.resolve_gemm_path(xr, counts)
     floor_name = min((k for k in secs if k != "local path (auto)"), key=secs.get)
-    flops = expert_flops(N, D, Fh, activation)
+    flops = expert_flops(N, D, ffn, activation)
     rows = [{"config": name, "impl": k, "ms": s * 1e3, "GFLOP/s": flops / s / 1e9,
              "page faults": faults[k]} for k, s in secs.items()]
-    return {"config": name, "T": T, "D": D, "F": Fh, "E": E, "K": K, "N": N, "activation": activation,
+    return {"config": name, "T": T, "D": D, "F": ffn, "E": E, "K": K, "N": N, "activation": activation,
             "gflop": flops / 1e9, "auto_path": auto_path, "floor_impl": floor_name,
             "floor_s": secs[floor_name], "local_s": secs["local path (auto)"],
             "ratio": secs["local path (auto)"] / secs[floor_name], "rows": rows}
@@ -194,11 +195,11 @@ def bench_sweep(dtype, device, activation: str, rounds: int, warmup: int, clock:
     """GroupedExperts forward + backward on each GEMM path over a grid of shapes, with
     random (multinomial) row counts: the measurements behind ``choose_gemm_path``."""
     rows = []
-    for E, per, D, Fh in shapes:
+    for E, per, D, ffn in shapes:
         gen = torch.Generator().manual_seed(E * per)
         counts = torch.bincount(torch.randint(0, E, (E * per,), generator=gen), minlength=E).tolist()
         N = sum(counts)
-        m = GroupedExperts(E, D, Fh, activation, init_seed=1, dtype=dtype).to(device)
+        m = GroupedExperts(E, D, ffn, activation, init_seed=1, dtype=dtype).to(device)
         x = torch.randn(N, D, dtype=dtype, device=device, requires_grad=True)
         g = torch.randn(N, D, dtype=dtype, device=device)
         params = list(m.parameters())
@@ -211,8 +212,8 @@ def bench_sweep(dtype, device, activation: str, rounds: int, warmup: int, clock:
         fns = {p: run(p) for p in ("loop", "grouped_mm", "bmm") if path_ok(m, p, x, counts)}
         secs, _ = timed_rounds(fns, rounds, warmup, device, clock)
         m.gemm_path = "auto"
-        flops = expert_flops(N, D, Fh, activation)
-        row = {"E": E, "rows/expert": per, "max/mean": max(counts) * E / N, "D": D, "F": Fh}
+        flops = expert_flops(N, D, ffn, activation)
+        row = {"E": E, "rows/expert": per, "max/mean": max(counts) * E / N, "D": D, "F": ffn}
         row.update({f"{p} ms": t * 1e3 for p, t in secs.items()})
         row["fastest"] = min(secs, key=secs.get)
         row["auto"] = m.resolve_gemm_path(x, counts)
@@ -276,12 +277,12 @@ def _parse_config(spec: str):
     if spec in CONFIGS:
         return CONFIGS[spec]
     try:
-        T, D, Fh, E, K = (int(v) for v in spec.split(":"))
+        T, D, ffn, E, K = (int(v) for v in spec.split(":"))
     except ValueError:
         raise SystemExit(f"config {spec!r} must be one of {sorted(CONFIGS)} or T:D:F:E:K") from None
-    if min(T, D, Fh, E, K) < 1 or K > E:
+    if min(T, D, ffn, E, K) < 1 or K > E:
         raise SystemExit(f"config {spec!r}: every size must be >= 1 and K <= E")
-    return T, D, Fh, E, K, None
+    return T, D, ffn, E, K, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -313,8 +314,8 @@ def main(argv: list[str] | None = None) -> int:
     out["matmul_gflops"] = peak
     results = []
     for name in [c for c in args.configs.split(",") if c]:
-        T, D, Fh, E, K, limit = _parse_config(name)
-        r = bench_config(name, T, D, Fh, E, K, dtype, device, args.activation, args.rounds, args.warmup,
+        T, D, ffn, E, K, limit = _parse_config(name)
+        r = bench_config(name, T, D, ffn, E, K, dtype, device, args.activation, args.rounds, args.warmup,
                          args.clock)
         r["limit"] = limit
         for row in r["rows"]:

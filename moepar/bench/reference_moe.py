@@ -1,7 +1,8 @@
 """A plain-torch reference MoE with dense one-hot dispatch (the GShard formulation that
 older DeepSpeed-MoE and fairscale used): the yardstick ``bench layer`` compares with.
 
-Legend: T tokens, D hidden, F ffn hidden, E experts, K top-k, C slots per expert.
+Legend (docs/moe.md): T tokens, D hidden, F ffn hidden, E experts, K top-k, C slots per expert;
+``_T_slots``: [T, E*C + 1], every expert's C slots and one column that collects dropped routes.
 
     logits_TE = x_TD @ gate^T (fp32) ; scores_TE = softmax ; top-k ids/weights
     slot of route (t, k) in its expert: slot-major arrival order (every token's first
@@ -53,12 +54,12 @@ class ReferenceMoE(nn.Module):
         self.activation = activation
         self.capacity_factor, self.min_capacity = capacity_factor, min_capacity
         self.aux_loss_coeff = aux_loss_coeff
-        E, D, Fh = num_experts, hidden, self.ffn_hidden
+        E, D, ffn = num_experts, hidden, self.ffn_hidden
         dtype = dtype or torch.get_default_dtype()
         self.gate = nn.Parameter(torch.empty(E, D, dtype=torch.float32))
-        self.w1 = nn.Parameter(torch.empty(E, D, Fh, dtype=dtype))
-        self.w3 = nn.Parameter(torch.empty(E, D, Fh, dtype=dtype)) if activation == "swiglu" else None
-        self.w2 = nn.Parameter(torch.empty(E, Fh, D, dtype=dtype))
+        self.w1 = nn.Parameter(torch.empty(E, D, ffn, dtype=dtype))
+        self.w3 = nn.Parameter(torch.empty(E, D, ffn, dtype=dtype)) if activation == "swiglu" else None
+        self.w2 = nn.Parameter(torch.empty(E, ffn, D, dtype=dtype))
         for p in self.parameters():
             nn.init.uniform_(p, -1 / math.sqrt(p.shape[-2] if p.dim() == 3 else D),
                              1 / math.sqrt(p.shape[-2] if p.dim() == 3 else D))
@@ -102,16 +103,17 @@ class ReferenceMoE(nn.Module):
             C = max(math.ceil(T * K / E * self.capacity_factor), self.min_capacity)
             keep_KT = pos_KT < C
         self.last_capacity = C
-        # Dense [T, E*C] combine weights and dispatch mask (scattered, not built from a
-        # [K, T, E, C] outer product); dropped routes add nothing.
+        # Dense [T, E*C + 1] combine weights and dispatch mask (scattered, not built from a
+        # [K, T, E, C] outer product); dropped routes land in the last column, cut off: they
+        # add nothing.
         col_KT = (ids_TK.t() * C + pos_KT.clamp(max=max(C - 1, 0))).masked_fill(~keep_KT, E * C)
         t_KT = torch.arange(T, device=x_TD.device).expand(K, T)
-        combine_TX = logits_TE.new_zeros(T, E * C + 1).index_put(
+        combine_T_slots = logits_TE.new_zeros(T, E * C + 1).index_put(
             (t_KT.reshape(-1), col_KT.reshape(-1)), (w_TK.t() * keep_KT).reshape(-1), accumulate=True)
-        dispatch_TX = torch.zeros(T, E * C + 1, dtype=x_TD.dtype, device=x_TD.device)
-        dispatch_TX[t_KT.reshape(-1), col_KT.reshape(-1)] = 1
-        combine_TEC = combine_TX[:, :E * C].view(T, E, C)
-        dispatch_TEC = dispatch_TX[:, :E * C].view(T, E, C)
+        dispatch_T_slots = torch.zeros(T, E * C + 1, dtype=x_TD.dtype, device=x_TD.device)
+        dispatch_T_slots[t_KT.reshape(-1), col_KT.reshape(-1)] = 1
+        combine_TEC = combine_T_slots[:, :E * C].view(T, E, C)
+        dispatch_TEC = dispatch_T_slots[:, :E * C].view(T, E, C)
         x_ECD = torch.einsum("tec,td->ecd", dispatch_TEC, x_TD)
         h3 = torch.bmm(x_ECD, self.w3) if self.w3 is not None else None
         y_ECD = torch.bmm(_act(torch.bmm(x_ECD, self.w1), h3, self.activation), self.w2)

@@ -1,16 +1,18 @@
 """``torchrun --nproc_per_node=P -m moepar bench replicas``: expert replication's effect on
-skewed routing (``MoE(..., redundant_experts=R)`` with ``moepar.rebalance``).
+skewed routing (``MoE(..., redundant_experts=X)`` with ``moepar.rebalance``).
 
 Every rank is one EP rank (ep = world size, one thread each, so that the most-loaded rank's
 extra rows show in the step time). A stack of MoE layers (residual) routes with router
 logits of spread ``--logit-std`` plus a fixed logit bias ``log((e + 1) ** -zipf)``: expert 0 the
-hottest, Zipf-like. For R = 0 and each
-R given, the same model (same seed) trains ``--warmup`` steps, is rebalanced from the load
-they measured (R > 0), then the configurations take turns: each round times ``--steps``
+hottest, Zipf-like. For X = 0 and each
+X given, the same model (same seed) trains ``--warmup`` steps, is rebalanced from the load
+they measured (X > 0), then the configurations take turns: each round times ``--steps``
 training steps (forward, backward, AdamW) of every configuration, interleaved. Reports per
 configuration the measured received rows (max / mean over EP ranks, ``load_report``'s
 ``rank_overload``; ``unreplicated_overload``: the same routes had they all gone to their
-experts' owners) and the median step time over the rounds, with its ratio to R = 0.
+experts' owners) and the median step time over the rounds, with its ratio to X = 0.
+
+Legend (docs/moe.md): P EP group size (the world), X redundant expert slots in all.
 """
 from __future__ import annotations
 
@@ -32,11 +34,11 @@ from moepar.tables import format_table
 
 
 class Stack(nn.Module):
-    def __init__(self, args, ep: int, R: int, state):
+    def __init__(self, args, ep: int, X: int, state):
         super().__init__()
         self.layers = nn.ModuleList(
             moepar.MoE(args.hidden, args.experts, ep, k=args.k, ffn_hidden=args.ffn, activation="swiglu",
-                       router_bias=True, aux_loss=None, redundant_experts=R, init_seed=args.seed + i, state=state)
+                       router_bias=True, aux_loss=None, redundant_experts=X, init_seed=args.seed + i, state=state)
             for i in range(args.layers))
         bias = torch.tensor([-args.zipf * math.log(e + 1) for e in range(args.experts)])
         g = torch.Generator().manual_seed(args.seed)
@@ -62,7 +64,8 @@ def _step(model, opt, x):
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m moepar bench replicas", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--redundant", default="4", help="comma-separated R values compared with R = 0")
+    p.add_argument("--redundant", default="4",
+                   help="comma-separated X values (redundant expert slots) compared with X = 0")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--ffn", type=int, default=512)
@@ -77,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--json", action="store_true", help="also print one JSON line of the results")
     args = p.parse_args(argv)
-    Rs = [0] + [int(r) for r in args.redundant.split(",") if r.strip()]
+    Xs = [0] + [int(r) for r in args.redundant.split(",") if r.strip()]
     if "WORLD_SIZE" not in os.environ:
         p.error("run under torchrun: torchrun --standalone --nproc_per_node=4 -m moepar bench replicas")
     torch.set_num_threads(1)
@@ -85,26 +88,26 @@ def main(argv: list[str] | None = None) -> int:
         dist.init_process_group("gloo")
     state = moepar.init_parallel(1, int(os.environ["WORLD_SIZE"]), 1, seed=args.seed, verbose=False)
     ep = state.ep_size
-    for R in Rs:   # the layer's rules, on every rank before any collective
-        moepar.MoEConfig(args.hidden, args.experts, ep, exchange=moepar.ExchangeConfig(redundant_experts=R))
+    for X in Xs:   # the layer's rules, on every rank before any collective
+        moepar.MoEConfig(args.hidden, args.experts, ep, exchange=moepar.ExchangeConfig(redundant_experts=X))
     runs = {}
-    for R in Rs:
-        model = Stack(args, ep, R, state)
+    for X in Xs:
+        model = Stack(args, ep, X, state)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         g = torch.Generator().manual_seed(args.seed + state.rank)
         x = torch.randn(args.tokens, args.hidden, generator=g)
         for _ in range(args.warmup):
             _step(model, opt, x)
-        if R:
+        if X:
             moepar.rebalance(model)
         _step(model, opt, x)   # the figures of one step with the new slot map
         rows = moepar.load_report(model).rows
-        runs[R] = {"model": model, "opt": opt, "x": x, "times": [],
+        runs[X] = {"model": model, "opt": opt, "x": x, "times": [],
                    "rank_overload": max(r["rank_overload"] for r in rows),
                    "unreplicated_overload": max((r["unreplicated_overload"] or r["rank_overload"]) for r in rows)}
     for _ in range(args.rounds):
-        for R in Rs:
-            run = runs[R]
+        for X in Xs:
+            run = runs[X]
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(args.steps):
@@ -114,12 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     if state.rank == 0:
         base = statistics.median(runs[0]["times"])
         table = []
-        for R in Rs:
-            med = statistics.median(runs[R]["times"])
-            table.append({"R": R, "received max/mean": f"{runs[R]['rank_overload']:.3f}",
-                          "unreplicated max/mean": f"{runs[R]['unreplicated_overload']:.3f}",
-                          "step ms (median)": f"{med * 1e3:.1f}", "vs R=0": f"{med / base:.3f}",
-                          "rounds ms": " ".join(f"{t * 1e3:.0f}" for t in runs[R]["times"])})
+        for X in Xs:
+            med = statistics.median(runs[X]["times"])
+            table.append({"X": X, "received max/mean": f"{runs[X]['rank_overload']:.3f}",
+                          "unreplicated max/mean": f"{runs[X]['unreplicated_overload']:.3f}",
+                          "step ms (median)": f"{med * 1e3:.1f}", "vs X=0": f"{med / base:.3f}",
+                          "rounds ms": " ".join(f"{t * 1e3:.0f}" for t in runs[X]["times"])})
         print(f"expert replication, ep={ep} (one thread a rank), E={args.experts}, D={args.hidden}, "
               f"F={args.ffn}, K={args.k}, {args.tokens} tokens a rank, {args.layers} layers, router bias "
               f"-{args.zipf} x log(e+1); {platform.node() and 'cpu'} torch {torch.__version__}, "

@@ -94,9 +94,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                                             "imbalance follows for each layout's ep (instead of --imbalance)")
     g.add_argument("--zipf", type=float, metavar="S", help="Zipf-like loads instead: expert i gets 1/(i+1)^S "
                                                            "(expert 0 the hottest, docs/routing.md's table)")
-    g.add_argument("--redundant-experts", metavar="R", help="R extra expert slots per EP group (MoE(..., "
+    g.add_argument("--redundant-experts", metavar="X", help="X extra expert slots per EP group (MoE(..., "
                    "redundant_experts=R)), planned from the loads above (uniform without); recommend: a "
-                   "comma-separated list, each priced beside R=0")
+                   "comma-separated list, each priced beside X=0")
     g.add_argument("--micro-batches", "--microbatches", dest="micro_batches", type=int, default=1,
                    help="micro-batches per step (gradient accumulation; with --pp the pipeline's M)")
     g.add_argument("--dedup", choices=("auto", "on", "off"), default="auto",
@@ -337,7 +337,7 @@ def _recommend(a: argparse.Namespace) -> int:
                      "MFU": f"{cost.mfu(True):.1%}", "tokens/s/GPU": f"{cost.tokens_per_second_per_gpu(True):.4g}",
                      "step": fmt_time(cost.step_time_overlapped)})
         if any(redundant) or spec.expert_loads is not None:   # after "zero": R and the max/mean it reaches
-            rows[-1] = {**{k: rows[-1][k] for k in list(rows[-1])[:9]}, "R": cost.spec.redundant_experts,
+            rows[-1] = {**{k: rows[-1][k] for k in list(rows[-1])[:9]}, "X": cost.spec.redundant_experts,
                         "max/mean": f"{cost.routes.max / cost.routes.mean:.3g}",
                         **{k: rows[-1][k] for k in list(rows[-1])[9:]}}
     mem_text = fmt_bytes(mem or hw.memory_bytes)

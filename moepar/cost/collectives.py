@@ -8,12 +8,16 @@ all-gather, reduce-scatter and all-to-all. ``busbw`` is the rate each rank's lin
 so ``S * factor`` is the number of bytes each rank sends: that is what every formula here
 divides by a link bandwidth.
 
-Legend: n ranks in the group, m of them per node, g = n / m nodes spanned. B_i is the
-intra-node link's achievable bandwidth per GPU per direction (line rate x efficiency);
-the inter-node link is one NIC, and b_x = NIC rate x efficiency x NICs per GPU is each
-GPU's share of its node's NICs (every group of a layout runs at once, so a node's NICs are
-shared by all its GPUs). a_i, a_x: latency per algorithm step on NVLink/PCIe and on the
-network; a0 a start-up latency per collective.
+Legend: n ranks in the group, m of them per node, g = n / m nodes spanned. The size ``S``
+and the bandwidths ``B``, ``B_i``, ``b_x`` and ``A_nvls`` are the cost model's own symbols
+(nccl-tests' and NCCL's notation, also in ``FORMULAS``), not the shape letters of
+docs/moe.md: ``S`` the size in bytes (above); ``B_i`` the intra-node bandwidth, the
+intra-node link's achievable bandwidth per GPU per direction (line rate x efficiency); the
+inter-node link is one NIC, and ``b_x``, the inter-node bandwidth, = NIC rate x efficiency
+x NICs per GPU is each GPU's share of its node's NICs (every group of a layout runs at
+once, so a node's NICs are shared by all its GPUs); ``B`` the ring bandwidth (below);
+``A_nvls`` the NVLS all-reduce's algorithm bandwidth. a_i, a_x: latency per algorithm step
+on NVLink/PCIe and on the network; a0 a start-up latency per collective.
 
     op              algo          time
     all_reduce      ring          a0 + (2(n-1) - 2(g-1)) a_i + 2(g-1) a_x + 2(n-1)/n S / B

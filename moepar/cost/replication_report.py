@@ -16,7 +16,7 @@ def _replica_seconds(cost: StepCost, name: str) -> float:
 
 
 def figures(cost: StepCost) -> dict:
-    """One priced layout's replication figures (R = 0 included: no replica traffic)."""
+    """One priced layout's replication figures (X = 0 included: no replica traffic)."""
     s, lay = cost.spec, cost.layout
     plan = replica_plan(s, lay) if (s.redundant_experts or s.expert_loads is not None) else None
     per_layer = {c.name: c for c in cost.layer if c.name in REPLICA_CALLS}
@@ -37,7 +37,7 @@ def figures(cost: StepCost) -> dict:
 
 
 def summary(cost: StepCost, baseline: StepCost) -> dict:
-    """``report``'s replication section: this layout with its R and with R = 0."""
+    """``report``'s replication section: this layout with its X and with X = 0."""
     return {"with": figures(cost), "without": figures(baseline)}
 
 
@@ -45,7 +45,7 @@ def rows(named: list[tuple[str, str, dict, float | None]]) -> list[dict]:
     """Display rows: (option, layout, figures, dropped fraction or None)."""
     out = []
     for option, layout, f, drops in named:
-        out.append({"option": option, "layout": layout, "R": f["redundant_experts"],
+        out.append({"option": option, "layout": layout, "X": f["redundant_experts"],
                     "max/mean": f"{f['imbalance']:.3g}", "rows max": f"{f['received_rows_max']:.6g}",
                     "replica a2a/step (fwd+bwd)": fmt_time(f["replica_weights_seconds_per_step"]
                                                            + f["replica_grads_seconds_per_step"]),
@@ -59,7 +59,7 @@ def rows(named: list[tuple[str, str, dict, float | None]]) -> list[dict]:
 def render_summary(rep: dict) -> list[str]:
     """Text lines of ``report``'s replication section."""
     a = rep["with"]
-    head = (f"== Expert replication: R={a['redundant_experts']} (one expert slice {fmt_bytes(a['expert_slice_bytes'])};"
+    head = (f"== Expert replication: X={a['redundant_experts']} (one expert slice {fmt_bytes(a['expert_slice_bytes'])};"
             f" busiest EP rank sends {a['copies_sent_max']} and receives {a['copies_received_max']} copies per layer "
             f"and micro-batch; replica all-to-all {fmt_bytes(a['replica_bytes_per_layer'])} forward + the same "
             f"backward) ==")
@@ -68,7 +68,7 @@ def render_summary(rep: dict) -> list[str]:
 
 def summary_rows(rep: dict) -> list[dict]:
     return rows([("with replication", "this layout", rep["with"], None),
-                 ("without (R=0)", "this layout", rep["without"], None)])
+                 ("without (X=0)", "this layout", rep["without"], None)])
 
 
 def _short(lay) -> str:
@@ -84,7 +84,7 @@ def verdict(cands, hw, compute_efficiency=None, a2a_algo: str = "pairwise", ar_a
     rep = [c for c in fit if c.cost.spec.redundant_experts]
     flat = [c for c in fit if not c.cost.spec.redundant_experts]
     if not rep:
-        return "replication: no layout with redundant experts fits (or R divides no ep); nothing to compare"
+        return "replication: no layout with redundant experts fits (or X divides no ep); nothing to compare"
     best = rep[0].cost
     rank = {id(c.cost): i for i, c in enumerate(fit, 1)}
     lay, spec = best.layout, best.spec
@@ -92,7 +92,7 @@ def verdict(cands, hw, compute_efficiency=None, a2a_algo: str = "pairwise", ar_a
     named = [(f"#{rank[id(best)]}", "replication", best.layout, figures(best), None)]
     same = [c.cost for c in cands if c.cost.layout == lay and not c.cost.spec.redundant_experts]
     if same:
-        named.append((f"#{rank[id(same[0])]}" if id(same[0]) in rank else "(does not fit)", "same layout, R=0",
+        named.append((f"#{rank[id(same[0])]}" if id(same[0]) in rank else "(does not fit)", "same layout, X=0",
                       lay, figures(same[0]), None))
     f, cap = layout_imbalance(spec, lay), None
     plain = spec.replace(redundant_experts=0)
@@ -101,12 +101,12 @@ def verdict(cands, hw, compute_efficiency=None, a2a_algo: str = "pairwise", ar_a
         capped = step_cost(plain.replace(expert_loads=None, imbalance=min(imb0, f)), lay, hw, compute_efficiency,
                            a2a_algo, ar_algo)
         loads = spec.expert_loads or (1.0,) * spec.experts
-        cap = ("", f"receive cap f={f:.3g}, R=0", lay, figures(capped), receive_cap_drops(loads, lay.ep, f))
+        cap = ("", f"receive cap f={f:.3g}, X=0", lay, figures(capped), receive_cap_drops(loads, lay.ep, f))
         named.append(cap)
     listed = [best, *same[:1]]
-    for label, keep in (("best expert-TP, R=0", lambda c: c.cost.layout.etp > 1),
-                        (f"best ep>{lay.ep}, R=0", lambda c: c.cost.layout.ep > lay.ep),
-                        ("best R=0", lambda c: True)):
+    for label, keep in (("best expert-TP, X=0", lambda c: c.cost.layout.etp > 1),
+                        (f"best ep>{lay.ep}, X=0", lambda c: c.cost.layout.ep > lay.ep),
+                        ("best X=0", lambda c: True)):
         hit = next((c.cost for c in flat if keep(c)), None)
         if hit is not None and all(hit is not x for x in listed):
             listed.append(hit)
@@ -116,8 +116,8 @@ def verdict(cands, hw, compute_efficiency=None, a2a_algo: str = "pairwise", ar_a
               for _, label, where, fig, drops in named[1:] if drops is None]
     beaten = [o for o, s in others if s > t]
     lost = [o for o, s in others if s <= t]
-    line = (f"replication R={spec.redundant_experts} on {_short(lay)}: step {fmt_time(t)}, max/mean "
-            f"{f:.3g} (R=0: {imb0:.3g}); " + (f"beats {', '.join(beaten)}" if beaten else "beats nothing here")
+    line = (f"replication X={spec.redundant_experts} on {_short(lay)}: step {fmt_time(t)}, max/mean "
+            f"{f:.3g} (X=0: {imb0:.3g}); " + (f"beats {', '.join(beaten)}" if beaten else "beats nothing here")
             + (f"; does not beat {', '.join(lost)}" if lost else ""))
     if cap is not None:
         line += (f"; the receive cap reaches the same rows in {fmt_time(cap[3]['step_overlapped'])} by dropping "

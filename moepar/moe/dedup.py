@@ -1,7 +1,7 @@
 """Dedup dispatch: one row per (token, destination EP rank) instead of one per route.
 
 Legend (docs/moe.md): T tokens, K routes per token, L local experts per rank, P EP ranks,
-R rows sent, M rows received. A token whose K routes go to fewer than K ranks is sent once to each
+R rows sent, M rows received. Each token whose K routes go to fewer than K ranks is sent once to each
 (DeepEP's layout); a side message per row carries the token's weights and local expert ids
 at that rank. ``DedupRows`` is the exchange form (``exchange.py`` has the others and the
 steps they share); below it, the pure tensor work on either side and the group's decision.

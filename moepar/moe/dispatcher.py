@@ -1,28 +1,16 @@
 """Token dispatch to the experts' ranks and back: the MoE forward between router and experts.
 
-Legend: T tokens this rank dispatches, D hidden, E global experts, L = E/ep local experts,
-K top-k, P the EP group size, B the MoE block's size (``moepar.parallel.groups``).
+Legend (docs/moe.md): T tokens (from step 2 on, T_r: this rank's TP share), D hidden, E
+global experts, L = E/ep local experts, K top-k, R routes, P the EP group size, B the MoE
+block's size (``moepar.parallel.groups``).
 
-``dispatch`` (dropless), each step a method or a module, numbered as in docs/moe.md's one
-list of the forward's steps (1 is the router's):
-  2. ``_tp_share``        with a TP group whose ranks hold the same tokens, keep this TP
-                          rank's near-even share of them (a slice: no communication);
-  3. ``_exchange_counts`` count the routes per expert on the device, all-gather one row per
-                          rank over the MoE block (``traffic.columns``' layout) and read it
-                          to the host: the forward's one host read. From it, identically on
-                          every rank and with no further collective (``decide``, at the
-                          end of this file): a bad input on any rank of the block raises
-                          on every rank there; the block agrees on the splits, the receive
-                          guard's quotas (``guard.py``), the expert-TP peers' and the TP
-                          peers' row counts, and the exchange form;
-     ``_apply_guard``     drop the routes past this rank's quotas (receive guard only);
-  4-7. the exchange form (``exchange.py``): permute the rows expert-major, start the token
-                          all-to-all-v over the EP group, run the caller's ``during`` work
-                          (the shared experts) while it is in flight, all-gather over expert
-                          TP, regroup the received blocks by local expert.
-``combine`` (steps 9-11) undoes them in reverse. Padded capacity mode replaces steps 2-3: its splits are
-known on every rank without an exchange, so it reads nothing back to the host. A layer whose
-block is one rank (tp = ep = etp = 1) exchanges nothing either.
+``dispatch`` runs steps 2-7 of docs/moe.md's one list of the forward's steps (step 1 is the
+router's), each a method or a module: ``_tp_share`` (2); ``_exchange_counts`` and ``decide``,
+at the end of this file (3; ``_apply_guard`` with a receive guard, ``guard.py``); the exchange
+form (4-7, ``exchange.py``). ``combine`` runs 9-11. Padded capacity mode (``padded.py``)
+replaces steps 2-4: its splits are known on every rank without an exchange, so it reads
+nothing back to the host. A layer whose block is one rank (tp = ep = etp = 1) exchanges
+nothing either.
 
 Its collectives, with their groups and bytes, are rows of the layer's table
 (``moepar/moe/traffic.py``), which the cost model prices and tests/moe/test_traffic.py checks
@@ -79,7 +67,7 @@ class Dispatcher:
     (``guard.py``), ``cpu_source_major`` (``cpu.py``), the router's ``pad_to_capacity``
     (capacity mode: ``dispatch`` gets the capacity), ``dispatch_dtype`` and
     ``combine_grad_dtype`` (FP8 rows, ``fp8.py``), ``redundant_experts`` (the exchange then
-    runs over the E + R slots as if each were an expert)). Groups: ``state`` (a
+    runs over the E + X slots as if each were an expert)). Groups: ``state`` (a
     ParallelState, read at every call; with ``sequence_parallel`` the TP ranks' tokens are
     their own, so no TP share), or an explicit ``ep_group`` alone (None = one rank). Global
     expert g lives on EP rank ``g // L`` as its local expert ``g % L``. ``stats`` receives
@@ -96,7 +84,7 @@ class Dispatcher:
         self.ep = comm.group_size(self.ep_group)
         if self.ep != config.ep_size:
             raise ValueError(f"the EP group has {self.ep} ranks but config.ep_size={config.ep_size}")
-        # slots: what the exchange moves (E + R with redundant experts)
+        # slots: what the exchange moves (E + X with redundant experts)
         self.num_experts = config.num_experts + config.exchange.redundant_experts
         self.num_local = self.num_experts // self.ep
         self.columns = msg.columns(self.num_experts, self.ep)   # the counts row's layout, fixed per layer

@@ -1,8 +1,8 @@
 """The token exchange forms: how the rows travel to the experts' ranks and back.
 
-Legend (docs/moe.md): T tokens this rank dispatches, D hidden, E global experts, L = E/P local experts,
-K top-k, P EP ranks, S = etp*P source blocks, R rows this rank sends, M rows its experts
-process, C slots per expert (padded).
+Legend (docs/moe.md): T tokens this rank dispatches (T_r after the TP share), D hidden, E
+global experts, L = E/P local experts, K top-k, P EP ranks, S = etp*P source blocks, R rows
+this rank sends, M rows its experts process, C slots per expert (padded).
 
 Each form is a stateless class with ``dispatch`` (the rows for this rank's local experts,
 expert-major unless said otherwise, and a frozen metadata record) and ``combine`` (its

@@ -2,11 +2,12 @@
 computed with grouped GEMMs over expert-major rows.
 
 Legend (docs/moe.md): E local experts (``num_local_experts``), g a global expert's index, D hidden,
-F ffn hidden held by this rank (``ffn_hidden / etp_size``), N rows (expert-major, the
-counts say how many rows each expert owns), C rows per expert in a padded block.
+Fl = F / etp the ffn hidden this rank holds (``ffn_hidden / etp_size``; F when etp = 1), N rows
+(expert-major, the counts say how many rows each expert owns), C slots per expert (padded
+capacity).
 
-Parameters: ``w1 [E, D, F]``, ``w3 [E, D, F]`` (swiglu, clamped_swiglu), ``w2 [E, F, D]``; with
-``bias=True`` also ``b1 [E, F]``, ``b3 [E, F]`` (gated), ``b2 [E, D]``.
+Parameters: ``w1 [E, D, Fl]``, ``w3 [E, D, Fl]`` (swiglu, clamped_swiglu), ``w2 [E, Fl, D]``;
+with ``bias=True`` also ``b1 [E, Fl]``, ``b3 [E, Fl]`` (gated), ``b2 [E, D]``.
 Expert FFN: ``y = act(x @ w1 + b1) @ w2 + b2``; swiglu: ``(silu(x@w1+b1) * (x@w3+b3)) @ w2 + b2``.
 
 The forward and backward are one autograd Function that calls the GEMMs directly (no
@@ -16,14 +17,14 @@ all giving the same numbers within float rounding:
 
 * ``"loop"``: a Python loop of ``mm``/``addmm`` with ``out=`` slices of one buffer;
 * ``"grouped_mm"``: ``torch.nn.functional.grouped_mm`` (CPU; CUDA with sm >= 90, bf16),
-  needs 16-byte aligned rows (D and F times the element size a multiple of 16);
+  needs 16-byte aligned rows (D and Fl times the element size a multiple of 16);
 * ``"bmm"``: rows padded to ``[E, C, *]`` blocks (C = the largest count), one ``bmm``
   per GEMM; free when the rows already are equal blocks (capacity mode).
 
 ``gemm_path="auto"`` picks per device, dtype and shape from the table in
 ``choose_gemm_path`` (measured, see docs/local.md).
 
-Experts run in segments of consecutive experts whose [rows, F] intermediates stay under
+Experts run in segments of consecutive experts whose [rows, Fl] intermediates stay under
 ``SEGMENT_BYTES`` (heap-sized buffers, no fresh page faults at every call); backward walks
 the segments last-first, freeing each as it goes, and gelu/swiglu recompute their output
 from the saved pre-activation instead of storing it (docs/local.md).

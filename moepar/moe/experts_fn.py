@@ -6,8 +6,8 @@ torch.compile). Below it, the GEMM paths it drives ("loop", "grouped_mm", "bmm")
 computes, per local expert e on its row block, the forward ``x_e @ w_e (+ b_e)``, the data
 gradient ``g_e @ w_e^T``, the weight gradient ``x_e^T @ g_e`` and the bias gradient; last,
 ``choose_gemm_path``, the measured "auto" rule (docs/local.md). Legend as in ``experts.py``:
-E local experts, D hidden, F ffn held here, N rows (expert-major unless ``segment_experts``
-names each row block's expert).
+E local experts, D hidden, Fl the ffn slice held here (F / etp), N rows (expert-major
+unless ``segment_experts`` names each row block's expert).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ GEMM_PATHS = ("auto", "grouped_mm", "loop", "bmm")
 def expert_segments(counts: Sequence[int], row_bytes: int, limit: int | None = None
                     ) -> list[tuple[int, int, int, int]]:
     """(first expert, end expert, first row, end row) of each segment: consecutive experts
-    whose [rows, F] intermediates stay under ``limit`` bytes (None: one segment; the CPU
+    whose [rows, Fl] intermediates stay under ``limit`` bytes (None: one segment; the CPU
     path passes ``cpu.SEGMENT_BYTES``)."""
     if limit is None:
         return [(0, len(counts), 0, sum(counts))]
@@ -42,12 +42,12 @@ def expert_segments(counts: Sequence[int], row_bytes: int, limit: int | None = N
 
 class ExpertsFunction(torch.autograd.Function):
     """All local experts' FFN, forward and backward, on ragged expert-major rows, one
-    segment of experts at a time on the CPU (see ``cpu.SEGMENT_BYTES``): the [rows, F] intermediates are
+    segment of experts at a time on the CPU (see ``cpu.SEGMENT_BYTES``): the [rows, Fl] intermediates are
     per segment, the outputs and gradients are written into slices of whole buffers. Off
     the CPU there is one segment and the GEMMs' own results are the outputs and gradients
     (no copy into a second buffer). Only the pre-activations are kept for backward
     (gelu/swiglu recompute their output there, one elementwise pass; relu keeps its in-place
-    output): half the [N, F] memory.
+    output): half the [N, Fl] memory.
 
     ``counts``: rows per local expert on the host, or None where only ``counts_dev`` (the same
     on the device) is known: then ``path`` must be "grouped_mm" (nothing read to the host)."""
@@ -75,7 +75,7 @@ class ExpertsFunction(torch.autograd.Function):
                 gemm = make_gemm(path, None if counts is None else counts[sl], x.device,
                                  counts_dev if not whole else None, r1 - r0)
             xg = gemm.pad(x[r0:r1])                      # [n', D]: a view except for padded bmm
-            h1 = gemm.fwd(xg, part(w1), part(b1))        # [n', F]
+            h1 = gemm.fwd(xg, part(w1), part(b1))        # [n', Fl]
             h3 = None
             if activation == "swiglu":
                 h3 = gemm.fwd(xg, part(w3), part(b3))
@@ -149,7 +149,7 @@ class ExpertsFunction(torch.autograd.Function):
             put("b2", part, lambda out: gemm.bias_grad(gyg, out=out))
             if act != "relu":
                 del a                                     # ga below can take its place
-            ga = gemm.dgrad(gyg, part(w2))                # [n', F]
+            ga = gemm.dgrad(gyg, part(w2))                # [n', Fl]
             del gyg
             gh3 = None
             if act == "swiglu":

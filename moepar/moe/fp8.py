@@ -1,13 +1,14 @@
 """FP8 token dispatch (``ExchangeConfig.dispatch_dtype="fp8"``), as DeepSeek-V3 trains.
 
-Legend (docs/moe.md): T tokens, N rows, D hidden, B = ceil(D / 128) scale blocks per row.
+Legend (docs/moe.md): T tokens, N rows, D hidden, K routes per token, Q = ceil(D / 128) scale
+blocks per row, V = D + 4·Q bytes of one packed FP8 row.
 
 Before the dispatch all-to-all each row is quantized to ``float8_e4m3fn`` with one fp32
 scale per block of 128 channels (DeepSeek-V3's 1x128 activation tiles). The rule lives
 with its kernel in ``moepar_kernels.permute_fp8`` (scale = max(amax / 448, 2^-126) in fp32,
 a block of zeros scale 1, a block holding a NaN or an infinity scale NaN and values 0 so
 that it comes back all NaN; values clamped to [-448, 448], rounded to nearest even). The
-scales travel in the same exchange as the rows: each row is sent as D + 4·B bytes
+scales travel in the same exchange as the rows: each row is sent as D + 4·Q bytes
 (``row_bytes``), so the all-to-all carries (D + 4·D/128) / (2·D) = 0.52x the bytes of
 bf16 rows. After the exchange the rows are dequantized to the compute dtype and the
 experts compute as before. The gradient passes the quantization straight through (the
@@ -49,17 +50,17 @@ __all__ = ["E4M3_MAX", "FP8", "quantize", "dequantize", "pack", "unpack", "fake_
            "all_to_all_start", "permute_all_to_all_start", "combine_all_to_all"]
 
 
-row_bytes = fp8_row_bytes   # bytes one row takes on the wire: D fp8 values and B fp32 scales
+row_bytes = fp8_row_bytes   # bytes one row takes on the wire: D fp8 values and Q fp32 scales
 
 
-def dequantize(q_ND: torch.Tensor, scale_NB: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def dequantize(q_ND: torch.Tensor, scale_NQ: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """q * scale per block, in ``dtype``."""
     N, D = q_ND.shape
-    B = scale_NB.shape[1]
+    Q = scale_NQ.shape[1]
     x = q_ND.float()
-    if B * BLOCK != D:
-        x = F.pad(x, (0, B * BLOCK - D))
-    return (x.view(N, B, BLOCK) * scale_NB[..., None]).view(N, B * BLOCK)[:, :D].to(dtype)
+    if Q * BLOCK != D:
+        x = F.pad(x, (0, Q * BLOCK - D))
+    return (x.view(N, Q, BLOCK) * scale_NQ[..., None]).view(N, Q * BLOCK)[:, :D].to(dtype)
 
 
 def unpack(packed: torch.Tensor, D: int, dtype: torch.dtype) -> torch.Tensor:
@@ -133,8 +134,8 @@ def permute_all_to_all_start(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dr
     knows them from its counts exchange; no host read). The group has more than one rank."""
     check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, None, num_rows)
     _, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, None, num_rows)
-    packed_NP = permute_quantize(x_TD, route_N, expert_ids_TK.shape[1])
-    rows, pending = _start(x_TD, packed_NP, row_map_TK, group, output_split_sizes, input_split_sizes, stats)
+    packed_NV = permute_quantize(x_TD, route_N, expert_ids_TK.shape[1])
+    rows, pending = _start(x_TD, packed_NV, row_map_TK, group, output_split_sizes, input_split_sizes, stats)
     return rows, pending, row_map_TK
 
 

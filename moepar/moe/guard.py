@@ -51,19 +51,19 @@ def quotas(load_PE: torch.Tensor, factor: float) -> tuple[torch.Tensor, int]:
     P, E = load_PE.shape
     L = E // P
     cells = load_PE.view(P, P, L).permute(1, 0, 2).reshape(P, P * L)   # [receiver, s*L + l]
-    M_R = cells.sum(1)
-    cap = receive_cap(int(M_R.sum()), P, factor)
-    over_R = M_R > cap
-    if not bool(over_R.any()):
+    M_P = cells.sum(1)
+    cap = receive_cap(int(M_P.sum()), P, factor)
+    over_P = M_P > cap
+    if not bool(over_P.any()):
         return load_PE, cap
     scaled = cap * cells                                       # < 2**63: cap, n <= routes
-    M = M_R.clamp_min(1)[:, None]
+    M = M_P.clamp_min(1)[:, None]
     q = scaled // M
-    short_R = cap - q.sum(1)                                   # rows left to hand out, < P*L
+    short_P = cap - q.sum(1)                                   # rows left to hand out, < P*L
     order = torch.sort(-(scaled % M), dim=1, stable=True).indices
     pos = torch.empty_like(order).scatter_(1, order, torch.arange(P * L).expand(P, -1).contiguous())
-    q = q + (pos < short_R[:, None]).long()
-    q = torch.where(over_R[:, None], q, cells)
+    q = q + (pos < short_P[:, None]).long()
+    q = torch.where(over_P[:, None], q, cells)
     return q.view(P, P, L).permute(1, 0, 2).reshape(P, E).contiguous(), cap
 
 
@@ -123,7 +123,7 @@ class GroupLoad:
         return _max_over_mean(self.rows_per_rank)
 
     @property
-    def received_PR(self) -> torch.Tensor:
+    def received_P(self) -> torch.Tensor:
         """[P] rows each EP rank receives after the guard."""
         return _rows_per_receiver(self.kept_PE)
 

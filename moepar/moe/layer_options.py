@@ -1,6 +1,6 @@
 """Layer-level options that Hugging Face MoE families need, kept out of the layer's steps.
 
-Legend (docs/moe.md): T tokens, D hidden, K routes per token, N = T*K routes.
+Legend (docs/moe.md): T tokens, D hidden, K routes per token, N = T*K rows (one route each).
 
 * ``score_before_experts`` (Llama 4): each route's row is scaled by its routing weight
   *before* the expert FFN and the outputs are summed with weight 1, i.e.

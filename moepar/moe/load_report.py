@@ -45,8 +45,9 @@ class LoadReport:
 
 
 def unreplicated_overload(placement, load_PE) -> float | None:
-    """max / mean over EP ranks of the routes their own experts got ([P, P x S] slot counts
-    summed per logical expert, then per owner); None without a placement."""
+    """max / mean over EP ranks of the routes their own experts got (``load_PE``: [P, P x H]
+    slot counts, H slots per EP rank, summed per logical expert, then per owner); None without
+    a placement."""
     if placement is None:
         return None
     experts = [placement.slots[r][i] for r in range(placement.ep_size)
@@ -75,7 +76,7 @@ def load_report(model: nn.Module) -> LoadReport:
             "unreplicated_overload": None if load is None else unreplicated_overload(m.placement, load.load_PE),
             "dropped_fraction": st.dropped_fraction,
             "receive_cap": None if load is None else load.cap,
-            "max_received": None if load is None else int(load.received_PR.max()),
+            "max_received": None if load is None else int(load.received_P.max()),
             "guard_dropped": None if load is None else load.group_guard_dropped,
         })
     if not rows:

@@ -1,12 +1,14 @@
 """Expert placement with redundant copies (torch-free): which EP rank holds which expert.
 
-``plan_placement(loads, E, R, ep)`` gives each of the ``ep`` ranks ``(E + R) / ep`` slots,
-every expert at least one copy and the R extra copies to the hottest experts, then splits
+``plan_placement(loads, E, X, ep)`` gives each of the ``ep`` ranks ``(E + X) / ep`` slots,
+every expert at least one copy and the X extra copies to the hottest experts, then splits
 each replicated expert's routes among its copies so that the most-loaded rank's expected
 load is as close to the mean as the slot map allows. ``split_counts`` turns a copy's share
 into whole routes, the same way on every rank. Algorithm, guarantee and figures:
 docs/routing.md, "Expert replication: placement". ``python -m moepar.moe.placement``
 prints the Zipf table shown there.
+
+Legend (docs/moe.md): E logical experts, X redundant expert slots in all (``redundant_experts``).
 """
 from __future__ import annotations
 
@@ -119,23 +121,23 @@ def plan_placement(loads: Sequence[float], num_experts: int, redundant_experts: 
     """
     finite("owner_slack", owner_slack, at_least=0)
     loads = check_placement_args(loads, num_experts, redundant_experts, ep_size, ranks_per_node)
-    E, R, ep = num_experts, redundant_experts, ep_size
-    per_rank = (E + R) // ep
-    if R == 0:
+    E, X, ep = num_experts, redundant_experts, ep_size
+    per_rank = (E + X) // ep
+    if X == 0:
         held = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep)]
         return _build(loads, held)
     plans = []   # (plan, how much worse than the best it may be and still win), preferred first
     node = ep if ranks_per_node is None else min(ranks_per_node, ep)
     if 1 < node < ep:
-        plans.append((_swap_down(loads, _pack_eplb(loads, R, ep, per_rank, node), node), NODE_SLACK))
-    plans.append((_swap_down(loads, _pack_eplb(loads, R, ep, per_rank, ep), ep), 1e-9))
-    identity = _Fill(loads, _pack_from_identity(loads, R, ep, per_rank))
+        plans.append((_swap_down(loads, _pack_eplb(loads, X, ep, per_rank, node), node), NODE_SLACK))
+    plans.append((_swap_down(loads, _pack_eplb(loads, X, ep, per_rank, ep), ep), 1e-9))
+    identity = _Fill(loads, _pack_from_identity(loads, X, ep, per_rank))
     identity.pour(range(E))
     plans.append((_build(loads, identity.held, identity.share), 0.0))
     least = min(max(p.rank_loads()) for p, _ in plans)
     if owner_slack > 0 and max(plans[-1][0].rank_loads()) <= least * (1 + owner_slack):
         return plans[-1][0]
-    flat = max(math.fsum(loads[r * (E // ep):(r + 1) * (E // ep)]) for r in range(ep))   # R = 0's maximum
+    flat = max(math.fsum(loads[r * (E // ep):(r + 1) * (E // ep)]) for r in range(ep))   # X = 0's maximum
     return next((p for p, slack in plans if max(p.rank_loads()) <= min(least * (1 + slack), flat * (1 + 1e-9))),
                 plans[-1][0])
 
@@ -162,11 +164,11 @@ def split_counts(count: int, shares: Sequence[float]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _copy_counts(loads: list[float], R: int, ep: int) -> list[int]:
+def _copy_counts(loads: list[float], X: int, ep: int) -> list[int]:
     """EPLB's replication: each extra copy to the expert with the largest load per copy
     (ties: lower id), at most ``ep`` copies each."""
     counts = [1] * len(loads)
-    for _ in range(R):
+    for _ in range(X):
         e = min((e for e in range(len(loads)) if counts[e] < ep), key=lambda e: (-loads[e] / counts[e], e))
         counts[e] += 1
     return counts
@@ -184,12 +186,12 @@ def _realizable(demands: list[int], free: list[int]) -> bool:
     return True
 
 
-def _pack_eplb(loads: list[float], R: int, ep: int, per_rank: int, node: int) -> list[list[int]]:
+def _pack_eplb(loads: list[float], X: int, ep: int, per_rank: int, node: int) -> list[list[int]]:
     """Copies heaviest-per-copy first, each expert's copies onto the least-loaded ranks with
     a free slot, distinct ranks, inside one node when one has room. A choice that would leave
     the remaining copies unplaceable on distinct ranks falls back to the ranks with the most
     free slots, which always keeps them placeable (the Gale-Ryser construction)."""
-    counts = _copy_counts(loads, R, ep)
+    counts = _copy_counts(loads, X, ep)
     order = sorted(range(len(loads)), key=lambda e: (-loads[e] / counts[e], e))
     held, load, free = [[] for _ in range(ep)], [0.0] * ep, [per_rank] * ep
     for i, e in enumerate(order):
@@ -211,8 +213,8 @@ def _pack_eplb(loads: list[float], R: int, ep: int, per_rank: int, node: int) ->
     return held
 
 
-def _pack_from_identity(loads: list[float], R: int, ep: int, per_rank: int) -> list[list[int]]:
-    """The unreplicated layout (expert g on rank g // (E / ep)) plus R extra copies: each to
+def _pack_from_identity(loads: list[float], X: int, ep: int, per_rank: int) -> list[list[int]]:
+    """The unreplicated layout (expert g on rank g // (E / ep)) plus X extra copies: each to
     the expert with the largest load per copy that some rank with a free slot lacks, on the
     least-loaded such rank. Water-filling can leave the extras idle, so this plan is never
     worse than no replication."""
@@ -220,7 +222,7 @@ def _pack_from_identity(loads: list[float], R: int, ep: int, per_rank: int) -> l
     home = E // ep
     held = [list(range(r * home, (r + 1) * home)) for r in range(ep)]
     counts = [1] * E
-    for _ in range(R):
+    for _ in range(X):
         load = [sum(loads[e] / counts[e] for e in h) for h in held]
         open_ranks = [r for r in range(ep) if len(held[r]) < per_rank]
         # some expert is always missing from an open rank: that rank holds fewer than E
@@ -259,11 +261,11 @@ class _Fill:
             done += 1
             moved = 0.0
             for e in hot:
-                rs, L = self.where[e], self.loads[e]
-                base = [rank_load[r] - L * share[e, r] for r in rs]
-                for r, b, x in zip(rs, base, _pour(base, L)):
-                    moved = max(moved, L * abs(x - share[e, r]))
-                    share[e, r], rank_load[r] = x, b + L * x
+                rs, amount = self.where[e], self.loads[e]
+                base = [rank_load[r] - amount * share[e, r] for r in rs]
+                for r, b, x in zip(rs, base, _pour(base, amount)):
+                    moved = max(moved, amount * abs(x - share[e, r]))
+                    share[e, r], rank_load[r] = x, b + amount * x
             if moved <= self.tol:
                 break
         return done * len(hot)
@@ -346,8 +348,8 @@ def _build(loads: list[float], held: list[list[int]], share: dict | None = None)
     for r, rank_slots in enumerate(slots):
         for i, e in enumerate(rank_slots):
             found[e].append(Copy(r, i, 1.0 if share is None else share[e, r]))
-    R = len(slots) * len(slots[0]) - len(loads)
-    return Placement(len(loads), R, len(slots), tuple(loads), slots, tuple(tuple(c) for c in found))
+    X = len(slots) * len(slots[0]) - len(loads)
+    return Placement(len(loads), X, len(slots), tuple(loads), slots, tuple(tuple(c) for c in found))
 
 
 def zipf_loads(num_experts: int, exponent: float) -> list[float]:
@@ -360,12 +362,12 @@ def zipf_loads(num_experts: int, exponent: float) -> list[float]:
 def zipf_table(num_experts: int = 16, ep_size: int = 4, redundant: Sequence[int] = (0, 4, 8),
                exponents: Sequence[float] = (0.5, 1.0, 1.5, 2.0), ranks_per_node: int | None = None) -> str:
     """Markdown table: the most-loaded rank's expected load over the mean for Zipf loads
-    (expert 0 the hottest) at each ``redundant`` count (R=0: no replication)."""
-    rows = ["| Zipf exponent | hottest expert | " + " | ".join(f"R={R}" for R in redundant) + " |",
+    (expert 0 the hottest) at each ``redundant`` count (X=0: no replication)."""
+    rows = ["| Zipf exponent | hottest expert | " + " | ".join(f"X={X}" for X in redundant) + " |",
             "|" + "---|" * (len(redundant) + 2)]
     for s in exponents:
         loads = zipf_loads(num_experts, s)
-        plans = [plan_placement(loads, num_experts, R, ep_size, ranks_per_node=ranks_per_node) for R in redundant]
+        plans = [plan_placement(loads, num_experts, X, ep_size, ranks_per_node=ranks_per_node) for X in redundant]
         cells = [f"{p.max_over_mean():.3f}" for p in plans]
         rows.append(f"| {s:g} | {loads[0]:.1%} | " + " | ".join(cells) + " |")
     return "\n".join(rows)

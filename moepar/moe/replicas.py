@@ -1,6 +1,6 @@
-"""Expert replication in the layer: E + R expert slots per EP group, the hot experts copied.
+"""Expert replication in the layer: E + X expert slots per EP group, the hot experts copied.
 
-``MoE(..., redundant_experts=R)`` gives each of the ep ranks S = (E + R) / ep slots; the
+``MoE(..., redundant_experts=X)`` gives each of the ep ranks H = (E + X) / ep slots; the
 slot map is a ``moepar.moe.placement.Placement`` (first uniform, then from measured load at
 each ``rebalance``). Three rules keep it exact and cheap to reason about:
 
@@ -15,12 +15,13 @@ each ``rebalance``). Three rules keep it exact and cheap to reason about:
 - **Routes split by rule, not by timing.** Each rank splits its kept routes to a
   replicated expert among the copies with ``placement.split_counts`` of the planned shares,
   in token order (``route_slots``; on the device, no host read); the token exchange then
-  runs over the S slots per rank as if they were experts.
+  runs over the H slots per rank as if they were experts.
 - **Loads measured on the device.** Every training forward adds the router's routes per
   logical expert to ``loads_E``; ``rebalance`` all-reduces them once for every layer and
   re-plans every layer's slot map from them.
 
-Legend (docs/moe.md): E logical experts, L = E/ep owned here, S slots per rank, N routes.
+Legend (docs/moe.md): E logical experts, L = E/ep owned here, H slots per rank, A copies of one
+expert, T tokens, K routes per token, R routes T·K.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ from ..parallel import comm
 from .placement import Placement, check_placement_args, plan_placement
 
 # A placement that keeps every expert's first copy on its owner wins when its most-loaded
-# rank carries at most this much more than the best plan's: then only the R copies' weights
+# rank carries at most this much more than the best plan's: then only the X copies' weights
 # travel each forward, not those of moved experts.
 OWNER_SLACK = 0.05
 
@@ -119,57 +120,57 @@ class Replicas:
         """Use ``placement`` from the next forward on (a step boundary: every rank alike)."""
         if (placement.num_experts, placement.redundant_experts, placement.ep_size) != \
                 (self.num_experts, self.redundant_experts, self.ep_size):
-            raise ValueError(f"placement for E={placement.num_experts}, R={placement.redundant_experts}, "
+            raise ValueError(f"placement for E={placement.num_experts}, X={placement.redundant_experts}, "
                              f"ep={placement.ep_size} does not fit this layer's E={self.num_experts}, "
-                             f"R={self.redundant_experts}, ep={self.ep_size}")
+                             f"X={self.redundant_experts}, ep={self.ep_size}")
         self.placement = placement
         self.map = SlotMap.of(placement, self.state.ep_rank)
-        self._tables: dict = {}   # device -> (slot table [E, M], split fractions [E, M])
+        self._tables: dict = {}   # device -> (slot table [E, A], split fractions [E, A])
 
     # ---- routes -> slots ------------------------------------------------------------------
     def _device_tables(self, device):
         t = self._tables.get(device)
         if t is None:
             p = self.placement
-            M = max(len(c) for c in p.copies)
-            slot_EM = torch.zeros(p.num_experts, M, dtype=torch.int64)
-            share_EM = torch.zeros(p.num_experts, M, dtype=torch.float64)
-            S = self.slots_per_rank
+            A = max(len(c) for c in p.copies)
+            slot_EA = torch.zeros(p.num_experts, A, dtype=torch.int64)
+            share_EA = torch.zeros(p.num_experts, A, dtype=torch.float64)
+            H = self.slots_per_rank
             position = [{i: at for at, i in enumerate(local_order(p, r))} for r in range(p.ep_size)]
             for g, copies in enumerate(p.copies):
                 total = sum(c.share for c in copies)
                 for i, c in enumerate(copies):
-                    slot_EM[g, i] = c.rank * S + position[c.rank][c.slot]
-                    share_EM[g, i] = c.share if total > 0 else float(i == 0)
-            t = self._tables[device] = (slot_EM.to(device), share_EM.to(device))
+                    slot_EA[g, i] = c.rank * H + position[c.rank][c.slot]
+                    share_EA[g, i] = c.share if total > 0 else float(i == 0)
+            t = self._tables[device] = (slot_EA.to(device), share_EA.to(device))
         return t
 
     def route_slots(self, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None) -> torch.Tensor:
         """The slot id of every route, [T, K] like ``expert_ids_TK``: expert g's kept routes,
         in token order, split among g's copies with ``split_counts`` of the planned shares
         (the first copy's share first). Dropped routes keep g's first copy (never sent)."""
-        slot_EM, share_EM = self._device_tables(expert_ids_TK.device)
-        ids_N = expert_ids_TK.reshape(-1).long()
-        kept_N = torch.ones_like(ids_N, dtype=torch.bool) if dropped_TK is None else ~dropped_TK.reshape(-1)
+        slot_EA, share_EA = self._device_tables(expert_ids_TK.device)
+        ids_R = expert_ids_TK.reshape(-1).long()
+        kept_R = torch.ones_like(ids_R, dtype=torch.bool) if dropped_TK is None else ~dropped_TK.reshape(-1)
         E = self.num_experts
-        counts_E = torch.zeros(E, dtype=torch.int64, device=ids_N.device).index_add_(0, ids_N, kept_N.long())
-        per_copy_EM = split_counts_device(counts_E, share_EM)
-        ends_EM = per_copy_EM.cumsum(1)
+        counts_E = torch.zeros(E, dtype=torch.int64, device=ids_R.device).index_add_(0, ids_R, kept_R.long())
+        per_copy_EA = split_counts_device(counts_E, share_EA)
+        ends_EA = per_copy_EA.cumsum(1)
         # position of each kept route among its expert's kept routes, in token order
-        key_N = torch.where(kept_N, ids_N, ids_N.new_full((), E))
-        order = torch.sort(key_N, stable=True).indices
+        key_R = torch.where(kept_R, ids_R, ids_R.new_full((), E))
+        order = torch.sort(key_R, stable=True).indices
         starts_E = torch.cumsum(counts_E, 0) - counts_E
-        pos_N = torch.empty_like(ids_N)
-        pos_N[order] = torch.arange(ids_N.numel(), device=ids_N.device)
-        pos_N = pos_N - torch.where(kept_N, starts_E[ids_N], pos_N.new_zeros(()))
-        copy_N = (pos_N.unsqueeze(1) >= ends_EM[ids_N]).sum(1).clamp_(max=slot_EM.shape[1] - 1)
-        copy_N = torch.where(kept_N, copy_N, torch.zeros_like(copy_N))
-        return slot_EM[ids_N, copy_N].view_as(expert_ids_TK)
+        pos_R = torch.empty_like(ids_R)
+        pos_R[order] = torch.arange(ids_R.numel(), device=ids_R.device)
+        pos_R = pos_R - torch.where(kept_R, starts_E[ids_R], pos_R.new_zeros(()))
+        copy_R = (pos_R.unsqueeze(1) >= ends_EA[ids_R]).sum(1).clamp_(max=slot_EA.shape[1] - 1)
+        copy_R = torch.where(kept_R, copy_R, torch.zeros_like(copy_R))
+        return slot_EA[ids_R, copy_R].view_as(expert_ids_TK)
 
     # ---- weights -> slots -----------------------------------------------------------------
     def slot_weights(self, params: tuple) -> tuple:
         """``GroupedExperts.weights()`` for the local experts [L, ...] -> the same for this
-        rank's S slots [S, ...] (None entries stay None)."""
+        rank's H slots [H, ...] (None entries stay None)."""
         present = [p for p in params if p is not None]
         group = self.state.ep_group if self.map.moves_weights else None
         out = iter(_SlotWeights.apply(self.map, group, self.stats, *present))
@@ -181,26 +182,26 @@ class Replicas:
         self.loads_E = counts.clone() if self.loads_E is None else self.loads_E + counts
 
 
-def split_counts_device(counts_E: torch.Tensor, share_EM: torch.Tensor) -> torch.Tensor:
-    """``placement.split_counts`` for every expert at once, on the device: [E, M] routes per
+def split_counts_device(counts_E: torch.Tensor, share_EA: torch.Tensor) -> torch.Tensor:
+    """``placement.split_counts`` for every expert at once, on the device: [E, A] routes per
     copy. floor(count x share / sum(shares)) each (float64, the host's arithmetic), then the
     leftovers one each to the largest remainders, ties to the earlier copy."""
-    total_E = share_EM.sum(1, keepdim=True)
-    exact = counts_E.unsqueeze(1).double() * share_EM / torch.where(total_E > 0, total_E, torch.ones_like(total_E))
+    total_E1 = share_EA.sum(1, keepdim=True)
+    exact = counts_E.unsqueeze(1).double() * share_EA / torch.where(total_E1 > 0, total_E1, torch.ones_like(total_E1))
     floor = torch.minimum(exact.floor(), counts_E.unsqueeze(1).double())
     left_E = counts_E - floor.sum(1).long()
     rem = exact - floor
-    M = share_EM.shape[1]
-    idx = torch.arange(M, device=share_EM.device)
+    A = share_EA.shape[1]
+    idx = torch.arange(A, device=share_EA.device)
     # rank of copy i among the copies by (-remainder, index)
     ahead = (rem.unsqueeze(1) > rem.unsqueeze(2)) | ((rem.unsqueeze(1) == rem.unsqueeze(2))
-                                                      & (idx.view(1, 1, M) < idx.view(1, M, 1)))
-    rank_EM = ahead.sum(2)
-    return floor.long() + (rank_EM < left_E.unsqueeze(1)).long()
+                                                      & (idx.view(1, 1, A) < idx.view(1, A, 1)))
+    rank_EA = ahead.sum(2)
+    return floor.long() + (rank_EA < left_E.unsqueeze(1)).long()
 
 
 class _SlotWeights(torch.autograd.Function):
-    """Forward: this rank's slot weights [S, ...] from the owners' [L, ...] (one all-to-all
+    """Forward: this rank's slot weights [H, ...] from the owners' [L, ...] (one all-to-all
     of the remote copies over the EP group, all tensors packed in one buffer); backward: the
     copies' gradients back to their owners (one all-to-all), summed with the local slots'
     into the owners' gradients."""
@@ -227,9 +228,9 @@ class _SlotWeights(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         smap, L = ctx.smap, ctx.smap.owned
-        S = len(smap.slot_source)
+        H = len(smap.slot_source)
         like = next(g for g in grads if g is not None)
-        grads = [torch.zeros((S, *shape), dtype=like.dtype, device=like.device) if g is None else g
+        grads = [torch.zeros((H, *shape), dtype=like.dtype, device=like.device) if g is None else g
                  for g, shape in zip(grads, ctx.shapes)]
         src = list(smap.slot_source)
         home = [i for i, s in enumerate(src) if s < L]

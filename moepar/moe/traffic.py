@@ -108,7 +108,7 @@ class LayerShape:
     balanced); b bytes per activation element, ``b_dispatch`` / ``b_combine`` per element of
     the rows sent out / back.
 
-    Expert replication (``redundant_experts`` R > 0, docs/routing.md "Expert replication"):
+    Expert replication (``redundant_experts`` X > 0, docs/routing.md "Expert replication"):
     every forward issues one all-to-all in the EP group carrying the remote copies' weights,
     and its backward one carrying their gradients back to the owners (docs/moe.md step 8);
     ``replica_sent``: the copies of this rank's home experts held on other EP ranks (whose
@@ -189,10 +189,10 @@ def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
     for phase in phases:
         fwd = phase == "fwd"
         if fwd and not s.padded:
-            # with redundant experts the message counts the E + R slots
+            # with redundant experts the message counts the E + X slots
             slots = E + s.redundant_experts
             add("3", "MoE counts", "all_gather", "moe", phase, message_bytes(slots, s.ep, s.block),
-                f"block·({'E+R' if s.redundant_experts else 'E'}+{len(FIELDS)}+ep)·8")
+                f"block·({'E+X' if s.redundant_experts else 'E'}+{len(FIELDS)}+ep)·8")
         if (s.fp8_dispatch if fwd else s.fp8_combine_grad):
             add("5", "MoE dispatch" if fwd else "MoE combine grad", "all_to_all", "ep", phase,
                 R * fp8_row_bytes(D), f"R·(D+4·⌈D/{FP8_BLOCK}⌉) fp8{dd}")
@@ -220,10 +220,10 @@ def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
             if not fwd:
                 add("11", "routing-weight grad gather", "all_gather", "tp", phase, T * K * FP32_BYTES, "T·K·4")
         if s.shared and s.sp:
-            add("5", "shared experts SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
-            add("5", "shared experts SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
+            add("11", "shared experts SP gather", "all_gather", "tp", phase, T * D * b, "T·D·b")
+            add("11", "shared experts SP scatter", "reduce_scatter", "tp", phase, T * D * b, "T·D·b")
         elif s.shared:
-            add("5", "shared experts", "all_reduce", "tp", phase, T * D * b, "T·D·b")
+            add("11", "shared experts", "all_reduce", "tp", phase, T * D * b, "T·D·b")
         if fwd and s.aux_group and (s.aux_loss or s.z_loss):
             # the router's sums over the group's tokens: fp32 score sums (E) and logsumexp^2
             # (1), int64 routes per expert (E) and the token count (1)

@@ -13,7 +13,8 @@ experts use, are built on the raw collectives here and live in ``moepar.parallel
 Byte counts follow nccl-tests' "size" column, per rank: all-reduce = tensor bytes;
 all-gather = output (gathered) bytes; reduce-scatter = input bytes; all-to-all = this
 rank's send-buffer bytes. The cost model (``moepar.cost``) turns them into bus bytes.
-Legend: N rows (tokens or routes), D features, P group size.
+Legend (docs/moe.md): N rows (tokens or routes), D hidden (any row width); a group's size
+is spelled out (``n`` in formulas).
 """
 from __future__ import annotations
 
@@ -193,7 +194,7 @@ def small_device(group, like: torch.Tensor) -> torch.device:
 
 
 def _all_gather_equal(x: torch.Tensor, group, backward: bool, stats: CommStats | None) -> list[torch.Tensor]:
-    """Equal-shape all-gather; bytes = P * x bytes. Gloo gets the list form."""
+    """Equal-shape all-gather; bytes = n * x bytes over n ranks. Gloo gets the list form."""
     size = group_size(group)
     x = x.contiguous()
     if _is_gloo(group):
@@ -223,7 +224,7 @@ def all_gather_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = None,
 
 def reduce_scatter_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = None,
                         backward: bool = False, stats: CommStats | None = None) -> torch.Tensor:
-    """Sum ``x`` [N, ...] over the group and keep this rank's row block (``sizes`` or N/P)."""
+    """Sum ``x`` [N, ...] over the group and keep this rank's row block (``sizes`` or N/n over n ranks)."""
     size = group_size(group)
     if size == 1:
         return x

@@ -5,8 +5,8 @@ TP/ETP steps enter and leave their regions through them. Each is a no-op that is
 communication call when its group is ``None`` or has one rank.
 
 They are built on the recorded collectives of ``moepar.parallel.comm`` (which also holds the
-EP all-to-all), so each call is counted there with its bytes. Legend: N rows (tokens or
-routes), D features, P group size.
+EP all-to-all), so each call is counted there with its bytes. Legend (docs/moe.md): N rows (tokens or
+routes), D hidden (any row width); a group's size is spelled out.
 """
 from __future__ import annotations
 

@@ -7,9 +7,10 @@ the same global weights. Each layer's ``reset_parameters()`` draws it (its ``__i
 it), writing through ``copy_local``: a layer built on the meta device takes, after ``to_empty``
 and ``reset_parameters()``, exactly the values of one built directly, sharded by FSDP2 or not.
 
-Collectives per call, bytes per rank (T tokens, O/I features, b dtype bytes):
-ColumnParallel: bwd all-reduce of dX [T, I] (or SP: fwd all-gather / bwd reduce-scatter of X);
-RowParallel: fwd all-reduce of Y [T, O] (or SP: fwd reduce-scatter / bwd all-gather).
+Collectives per call, bytes per rank (legend, docs/moe.md: T tokens, D hidden, b bytes per
+element; ``in`` / ``out`` a layer's input / output features, written in words):
+ColumnParallel: bwd all-reduce of dx [T, in] (or SP: fwd all-gather / bwd reduce-scatter of x);
+RowParallel: fwd all-reduce of y [T, out] (or SP: fwd reduce-scatter / bwd all-gather).
 """
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ class _TPModule(nn.Module):
 
 
 class ColumnParallelLinear(_TPModule):
-    """Y = X A^T + b with A split by output rows: each rank holds ``out_features/tp`` outputs.
+    """y = x weight^T + bias with the weight split by output rows: each rank holds
+    ``out_features/tp`` outputs.
 
-    ``gather_output`` all-gathers Y to full width; otherwise Y stays sliced (feed it to a
-    ``RowParallelLinear`` with ``input_is_parallel=True``). ``sequence_parallel`` means X
+    ``gather_output`` all-gathers y to full width; otherwise y stays sliced (feed it to a
+    ``RowParallelLinear`` with ``input_is_parallel=True``). ``sequence_parallel`` means x
     arrives split along ``sequence_dim`` and is all-gathered first.
     """
 
@@ -136,9 +138,10 @@ class ColumnParallelLinear(_TPModule):
 
 
 class RowParallelLinear(_TPModule):
-    """Y = X A^T + b with A split by input columns; partial products all-reduced.
+    """y = x weight^T + bias with the weight split by input columns; partial products
+    all-reduced.
 
-    ``input_is_parallel`` means X is already sliced along its last dim (the usual case
+    ``input_is_parallel`` means x is already sliced along its last dim (the usual case
     after a ``ColumnParallelLinear``); otherwise it is split here. With
     ``sequence_parallel`` the sum is reduce-scattered along ``sequence_dim``.
     """
@@ -281,7 +284,7 @@ class _VocabParallelCE(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
                                  state: ParallelState | None = None, reduction: str = "mean",
                                  ignore_index: int = -100) -> torch.Tensor:
-    """``F.cross_entropy`` for logits [..., V/tp] split by vocab over the TP group.
+    """``F.cross_entropy`` for logits [..., vocab/tp] split by vocab over the TP group.
 
     ``reduction``: "none" (per token, fp32), "sum" or "mean" (over non-ignored tokens).
     """

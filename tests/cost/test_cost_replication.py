@@ -109,7 +109,7 @@ def test_report_with_replication_on_deepseek_v3(capsys):
     args = ["report", *DSV3, "--gpus", "256", "--ep", "64", "--zero", "1", "--zipf", "0.3", "--redundant-experts", "64"]
     assert main(args) == 0
     out = capsys.readouterr().out
-    assert "redundant experts=64" in out and "== Expert replication: R=64" in out
+    assert "redundant experts=64" in out and "== Expert replication: X=64" in out
     assert "MoE replica weights" in out and "MoE replica grads" in out
     spec = MoESpec(tokens=4096, seq_len=4096, dtype="fp8", **MODELS["deepseek-v3"],
                    expert_loads=tuple(zipf_loads(256, 0.3)), redundant_experts=64)
@@ -124,9 +124,9 @@ def test_recommend_compares_replication_with_the_alternatives(capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "replication against the alternatives" in out
-    for needle in ("replication R=64 on", "R=0", "receive cap f=", "best expert-TP, R=0", "dropped"):
+    for needle in ("replication X=64 on", "X=0", "receive cap f=", "best expert-TP, X=0", "dropped"):
         assert needle in out, needle
-    assert " R " in out.splitlines()[1] and "max/mean" in out.splitlines()[1]
+    assert " X " in out.splitlines()[1] and "max/mean" in out.splitlines()[1]
 
 
 MIX = ["--model", "mixtral-8x7b", "--tokens", "4096", "--gpus", "16"]
