@@ -20,7 +20,7 @@ from typing import Sequence
 from ..checks import finite, int_at_least, positive_int
 
 MAX_PASSES = 10_000   # water-filling passes; the loop usually settles in a few dozen
-SWAP_WORK = 20_000    # pours (and trials) the local search may spend: ~0.1-0.5 s
+SWAP_WORK = 20_000    # pours (and trials) the local search may spend (bounds its time)
 TRIAL_PASSES = 4      # warm water-filling passes that judge one trial swap
 NODE_SLACK = 0.01     # keeping copies in a node may cost the most-loaded rank this much
 
