@@ -310,8 +310,8 @@ def _combine(src_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optiona
 # ---- custom ops -----------------------------------------------------------------------------
 
 def _permute_impl(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
-                num_experts: int, capacity: Optional[int], num_rows: Optional[int], impl: str
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_experts: int, capacity: Optional[int], num_rows: Optional[int], impl: str
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     K = expert_ids_TK.shape[1]
     counts_E, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
     if _use_triton(x_TD, impl):
@@ -358,7 +358,7 @@ _permute_call = both(_permute_op, _permute_impl, _permute_setup, _permute_backwa
 
 
 def _unpermute_impl(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
-                  num_tokens: int, impl: str) -> torch.Tensor:
+                    num_tokens: int, impl: str) -> torch.Tensor:
     if _use_triton(y_ND, impl):
         return _combine(y_ND, row_map_TK, weights_TK)
     return _combine_reference(y_ND, row_map_TK, weights_TK, num_tokens)
@@ -384,7 +384,7 @@ def _unpermute_backward(ctx, grad_TD):
     row_map_TK, weights_TK, y_ND = ctx.saved_tensors
     backward = _unpermute_bwd_call if getattr(ctx, "eager", False) else _unpermute_bwd_op
     grad_y, grad_w = backward(grad_TD.contiguous(), y_ND, row_map_TK, weights_TK,
-                                       ctx.num_rows, ctx.dtype, ctx.impl)
+                              ctx.num_rows, ctx.dtype, ctx.impl)
     grad_w = grad_w.to(weights_TK.dtype) if (y_ND is not None and ctx.has_weights) else None
     return grad_y, None, grad_w, None, None
 
@@ -394,8 +394,8 @@ _unpermute_call = both(_unpermute_op, _unpermute_impl, _unpermute_setup, _unperm
 
 
 def _unpermute_bwd_impl(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], row_map_TK: torch.Tensor,
-                      weights_TK: Optional[torch.Tensor], num_rows: int, dtype: torch.dtype, impl: str
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                        weights_TK: Optional[torch.Tensor], num_rows: int, dtype: torch.dtype, impl: str
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """(grad_y_ND, grad_weights_TK fp32; empty when y_ND is None)."""
     T, K = row_map_TK.shape
     route_N = inverse_row_map(row_map_TK, num_rows)

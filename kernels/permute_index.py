@@ -24,7 +24,7 @@ import torch
 
 
 def route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor], num_experts: int,
-                 capacity: Optional[int], num_rows: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                capacity: Optional[int], num_rows: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(counts_E int64, row_map_TK int64, route_N int64), all on the ids' device.
 
     ``num_rows`` given (the caller knows the kept routes, dropless, or E*C with a capacity):

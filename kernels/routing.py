@@ -194,8 +194,8 @@ def _launch(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Opt
 
 
 def _routing_impl(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
-                normalize: bool, scaling_factor: float, block_t: int, num_warps: int
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  normalize: bool, scaling_factor: float, block_t: int, num_warps: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _launch(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, block_t, num_warps)
 
 
@@ -275,7 +275,7 @@ def routing(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
     if expert_bias_E is not None:
         expert_bias_E = expert_bias_E.float()
     return _routing_call(logits_TE, k, score_func, expert_bias_E, bool(normalize), float(scaling_factor),
-                       int(block_t or 0), int(num_warps or 0))
+                         int(block_t or 0), int(num_warps or 0))
 
 
 def _scores(x_TE: torch.Tensor, score_func: str) -> torch.Tensor:

@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, b in out["ways"].items():
             total = b["params"] + b["grads"] + b["optimizer"]
             print(f"{name:22s} " + " ".join(f"{v / 2**20:10.2f}" for v in (b["params"], b["grads"],
-                                                                            b["optimizer"], total)))
+                                                                           b["optimizer"], total)))
     return 0
 
 

@@ -263,7 +263,7 @@ def bench_config(name: str, cfg: LayerConfig, device: torch.device, rounds: int,
                 peaks[impl], mem_method = _cuda_peak(steps[impl], device)
             else:
                 peaks[impl], mem_method = run_in_fresh_process(_child_peak, name, cfg, impl,
-                                                                    torch.get_num_threads(), malloc)
+                                                               torch.get_num_threads(), malloc)
     rows = []
     for impl, s in secs.items():
         row = {"impl": impl, "ms": s * 1e3, "GFLOP/s": case.flops / s / 1e9,
@@ -350,8 +350,8 @@ def run(args: argparse.Namespace) -> dict:
                  "megatron": megatron_status()[1], "bf16_native": args.bf16[1]}
     on_cuda = device.type == "cuda"
     matmul = None if args.no_matmul else matmul_gflops(8192 if on_cuda else 4096,
-                                                        torch.bfloat16 if on_cuda else torch.float32, str(device),
-                                                        repeats=5, best=True)
+                                                       torch.bfloat16 if on_cuda else torch.float32, str(device),
+                                                       repeats=5, best=True)
     out["matmul_gflops"] = matmul
     results = [bench_config(n, cfg, device, args.rounds, args.warmup, args.clock, matmul, not args.no_memory,
                             not args.no_reference, not args.no_peers, args.malloc) for n, cfg in args.parsed.items()]

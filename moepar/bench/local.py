@@ -78,7 +78,7 @@ def autograd_grouped_mm(x_ND, offs, m: GroupedExperts):
 
 
 def timed_rounds(fns: dict, rounds: int, warmup: int, device, clock: str = "wall"
-            ) -> tuple[dict[str, float], dict[str, float]]:
+                 ) -> tuple[dict[str, float], dict[str, float]]:
     """(median seconds, median minor page faults) per candidate; candidates interleaved within each round. ``clock``
     "cpu" counts this process's CPU seconds (all threads, user + system) instead of wall
     time: steadier on a machine shared with other jobs, where wall time mostly measures

@@ -66,7 +66,7 @@ def cuda_time(fn: Callable[[], object], iters: int, repeats: int) -> float:
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float:
     """Bytes/s of a large device clone (read + write), the bandwidth the kernel is held to."""
     buf = torch.empty(nbytes // 4, dtype=torch.float32, device=device)
-    secs = cuda_time(lambda: buf.clone(), iters=5, repeats=5)
+    secs = cuda_time(buf.clone, iters=5, repeats=5)
     del buf
     return 2 * nbytes / secs
 

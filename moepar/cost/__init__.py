@@ -13,11 +13,11 @@ from .._lazy import attach as _attach
 # so that a command runs and imports only the modules it needs
 _NAMES = {
     **{name: ".accounting" for name in ("DEFAULT_COMPUTE_EFFICIENCY", "Call", "StepCost", "count_flops", "layer_calls",
-                                         "memory_per_rank", "step_calls")},
+                                        "memory_per_rank", "step_calls")},
     **{name: ".collectives" for name in ("PRESETS", "Hardware", "Link", "Placement", "bus_factor", "busbw",
-                                          "link_time", "pick_algo")},
+                                         "link_time", "pick_algo")},
     **{name: ".model" for name in ("CostLayout", "MoESpec", "count_params", "imbalance_from_counts", "routes_per_rank",
-                                    "wire_bytes")},
+                                   "wire_bytes")},
     "stage_cost": ".pipeline", "step_cost": ".pipeline",
     **{name: ".profiles" for name in ("Curve", "get_hardware", "load_profile", "save_profile")},
     **{name: ".report" for name in ("build_report", "crossover_topk", "ep_vs_tp", "render_markdown", "render_text")},

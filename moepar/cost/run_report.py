@@ -194,7 +194,7 @@ def measured_vs_predicted(spec: MoESpec, layout: CostLayout, hardware: Hardware,
         k = calls_per_step(c, spec) * steps
         phase = c.phase if c.phase != "step" else "fwd"   # issued after backward, outside autograd
         row = agg.setdefault((c.op, c.group_size, phase), {"calls": 0, "bytes": 0.0, "measured": 0.0,
-                                                          "predicted": 0.0, "model_calls": 0, "model_bytes": 0.0})
+                                                           "predicted": 0.0, "model_calls": 0, "model_bytes": 0.0})
         row["model_calls"] += k
         row["model_bytes"] += k * c.nbytes
     rows = []

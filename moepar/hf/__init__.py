@@ -21,7 +21,7 @@ from .._lazy import attach as _attach
 _NAMES = {
     **{n: ".safetensors_io" for n in ("SafetensorsCheckpoint", "load_pretrained", "params_on_meta", "save_hf_checkpoint")},
     **{n: ".convert" for n in ("HFMoEBlock", "check_source", "convert_block", "hf_model_state_dict", "hf_state_dict",
-                                "moe_block_names", "replace_moe_blocks")},
+                               "moe_block_names", "replace_moe_blocks")},
     "FAMILIES": ".catalog", "Family": ".catalog",
     **{n: ".families" for n in ("HF_ACTIVATIONS", "family_of", "moe_options")},
     **{n: ".init" for n in ("init_block", "init_spec")},

@@ -162,7 +162,7 @@ class RouterConfig:
         return num_tokens // self.seq_len
 
 
-DEDUP_MODES = ("off", "auto", "on")
+DEDUP_MODES = ("off", "auto", "on")   # in this order: the counts row's codes 0, 1, 2 (dispatcher)
 WIRE_DTYPES = (None, "fp8")
 AUX_LOSS_SCOPES = ("local", "global")
 # Old keyword names that still work: name -> field.

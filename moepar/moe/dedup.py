@@ -44,7 +44,7 @@ class DedupRows:
     def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
         r, P, L = routes, call.topo.ep, call.L
         x_RD, row_map_TK, side_R2K = dedup_send(r.x_TD, r.expert_ids_TK, r.dropped_TK, r.weights_TK, L, P,
-                                              num_rows=sum(plan.send))
+                                                num_rows=sum(plan.send))
         group = call.topo.ep_group
         x_recv, pending_x = start_rows(call, x_RD, plan.recv, plan.send)
         side_M2K, pending_side = comm.all_to_all_start(side_R2K, group, plan.recv, plan.send, stats=call.stats)

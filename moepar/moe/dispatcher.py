@@ -31,7 +31,7 @@ from ..parallel.groups import MoeTopology as Topology
 from . import cpu, traffic as msg
 from .dedup import DEDUP_MAX_FRACTION, DedupMeta, DedupRows, dedup_rows, group_dedups
 from .exchange import Call, Meta, Plan, RouteRows, Routes, SourceMajorMeta, SourceMajorRows
-from .config import MoEConfig
+from .config import DEDUP_MODES, MoEConfig
 from .guard import GroupLoad, guard_drops, quotas
 from .padded import PaddedMeta, PaddedRows
 
@@ -42,7 +42,7 @@ FORMS = {"rows": RouteRows(), "source_major": SourceMajorRows(), "dedup": DedupR
 
 # dtypes are exchanged as small integer codes.
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-DEDUP_VOTES = {"off": 0, "auto": 1, "on": 2}
+DEDUP_VOTES = {mode: i for i, mode in enumerate(DEDUP_MODES)}   # the counts row's dedup_mode codes
 SOURCE_MAJOR = 1      # bit of the "forms" field: this rank takes source-major rows (cpu.py)
 
 
@@ -395,7 +395,7 @@ def decide(rows_dev: torch.Tensor, host: torch.Tensor, topo: Topology, cols: msg
     recv = tuple(kept_PE[:, mine].sum(1).tolist())
     form = "rows"
     if not cut and int(col("dedup_mode").min()) > 0 and group_dedups(col("dedup_mode"), col("dedup_rows"),
-                                                                       col("routes")):
+                                                                     col("routes")):
         dcols = cols.dedup
         send = tuple(host[R.me, dcols].tolist())
         recv = tuple(host[list(R.ep_rows), dcols.start + topo.ep_rank].tolist())

@@ -195,7 +195,7 @@ def split_counts_device(counts_E: torch.Tensor, share_EA: torch.Tensor) -> torch
     idx = torch.arange(A, device=share_EA.device)
     # rank of copy i among the copies by (-remainder, index)
     ahead = (rem.unsqueeze(1) > rem.unsqueeze(2)) | ((rem.unsqueeze(1) == rem.unsqueeze(2))
-                                                      & (idx.view(1, 1, A) < idx.view(1, A, 1)))
+                                                     & (idx.view(1, 1, A) < idx.view(1, A, 1)))
     rank_EA = ahead.sum(2)
     return floor.long() + (rank_EA < left_E.unsqueeze(1)).long()
 

@@ -34,8 +34,8 @@ class Layout:
 
     def __post_init__(self) -> None:
         check_positive(world_size=self.world_size, tensor_parallel_size=self.tp,
-                        expert_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
-                        pipeline_parallel_size=self.pp)
+                       expert_parallel_size=self.ep, expert_tensor_parallel_size=self.etp,
+                       pipeline_parallel_size=self.pp)
         if self.world_size % self.pp:
             raise ValueError(
                 f"world_size={self.world_size} is not divisible by pipeline_parallel_size={self.pp}: "

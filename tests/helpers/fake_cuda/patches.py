@@ -270,7 +270,6 @@ class Patches:
         blocking copy of host data to the device, recorded here."""
         rec = self.rec
         orig_tensor, orig_as_tensor, orig_asarray = torch.tensor, torch.as_tensor, torch.asarray
-        orig_new_tensor = torch.Tensor.new_tensor
 
         def make(orig, name, data, dtype=None, device=None, requires_grad=False, pin_memory=False, **kw):
             dev = torch.device(device) if device is not None else None
