@@ -104,6 +104,37 @@ def test_sync_free_forms_count_nothing(name):
     assert reads == [] and h2d == 0, report
 
 
+# ---- inside a custom op's body (the kernels' ops under torch.compile run there) ----------------
+# Below autograd, ``.cpu()`` and ``.item()`` reach the mode whole (aten.to, aten.item), not as the
+# _to_copy / _local_scalar_dense they decompose to elsewhere: each must still count once.
+
+@torch.library.custom_op("fake_cuda_check::host_read", mutates_args=())
+def _host_read_op(x: torch.Tensor, how: int) -> torch.Tensor:
+    if how == 0:
+        x.sum().cpu()
+    elif how == 1:
+        x.sum().item()
+    else:
+        x = x + torch.ones(x.shape).to(x.device)   # a blocking host -> device copy
+    return x.clone()
+
+
+_host_read_op.register_fake(lambda x, how: torch.empty_like(x))
+
+
+def _in_custom_op(how):
+    with fake_cuda.session(strict=False) as rec:
+        x = fake_cuda.to_cuda(torch.ones(3))
+        with rec.phase("op"):
+            y = _host_read_op(x, how)
+        return [e.kind for e in rec.host_reads("op")], len(rec.blocking_h2d("op")), fake_cuda.is_fake(y)
+
+
+@pytest.mark.parametrize("how, reads, h2d", [(0, ["d2h"], 0), (1, ["item"], 0), (2, [], 1)])
+def test_host_reads_inside_a_custom_op_body_are_counted_once(how, reads, h2d):
+    assert _run(_in_custom_op, 1, how)[0] == (reads, h2d, True)
+
+
 # ---- host -> device copies -------------------------------------------------------------------
 
 def _copies():

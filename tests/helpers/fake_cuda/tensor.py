@@ -103,6 +103,7 @@ SYNC_OPS = {
     "unique_consecutive": "unique", "unique_dim_consecutive": "unique",
     "equal": "equal",
     "is_nonzero": "item",
+    "item": "item",                       # reaches the mode whole below autograd (a custom op's body)
     "_linalg_check_errors": "linalg_check",
     "allclose": "allclose",               # isclose().all().item() inside the kernel
     "multinomial": "multinomial",         # validates the probabilities with .item()
@@ -118,7 +119,7 @@ NO_KERNEL_OPS = {"view", "_unsafe_view", "t", "detach", "expand", "as_strided", 
                  "narrow", "_reshape_alias", "lift_fresh", "empty", "empty_strided", "empty_like", "new_empty",
                  "new_empty_strided", "set_", "resize_", "is_pinned", "_pin_memory", "view_as_real",
                  "view_as_complex", "_has_compatible_shallow_copy_type", "is_same_size", "sym_size", "sym_stride",
-                 "sym_numel", "sym_storage_offset", "_local_scalar_dense", "record_stream", "movedim", "unflatten",
+                 "sym_numel", "sym_storage_offset", "_local_scalar_dense", "item", "record_stream", "movedim", "unflatten",
                  "flatten", "chunk", "contiguous", "expand_as", "view_as", "squeeze_", "unsqueeze_", "t_",
                  "transpose_", "as_strided_", "detach_"}
 # Ops that may take CPU tensors next to CUDA ones on a real GPU.
@@ -176,12 +177,19 @@ def _custom_op_fn(func):
     return fns.get("cuda") or fns.get(None)
 
 
+def _copy_target(func, name: str, args, kwargs) -> torch.device | None:
+    """The device a ``_to_copy`` / ``to`` copies to (None: stays where it is)."""
+    if name == "to" and len(args) > 1 and isinstance(args[1], torch.Tensor):   # to.other
+        return torch.device("cuda") if isinstance(args[1], FakeCudaTensor) else args[1].device
+    return _device_of(_arg(func, args, kwargs, "device") if name == "to" else kwargs.get("device"))
+
+
 def _classify(func, name: str, args, kwargs, flat, fakes, rec) -> None:
     """Tell the recorder what this op costs on a GPU, or that a GPU would refuse it."""
-    if name == "_to_copy":
-        src = args[0]
-        dst = _device_of(kwargs.get("device"))
-        nb = bool(kwargs.get("non_blocking", False))
+    if name in ("_to_copy", "to"):
+        # ``to`` reaches the mode whole (not as _to_copy) below autograd: a custom op's body.
+        src, dst = args[0], _copy_target(func, name, args, kwargs)
+        nb = bool(_arg(func, args, kwargs, "non_blocking", False))
         if isinstance(src, FakeCudaTensor) and dst is not None and dst.type == "cpu":
             rec.add("async_d2h" if nb else "host_read", "d2h", str(func), _nbytes(src))
         elif _is_cpu_tensor(src) and dst is not None and dst.type == "cuda":
@@ -269,8 +277,9 @@ def dispatch(func, args, kwargs, rec, mode):
         if (fakes or (dev is not None and dev.type == "cuda")) and name not in NO_KERNEL_OPS:
             rec.add_device_op(name)
     # Which device the result lives on, as CUDA would place it.
-    if name == "_to_copy":
-        on_cuda = dev.type == "cuda" if dev is not None else isinstance(args[0], FakeCudaTensor)
+    if name in ("_to_copy", "to"):
+        target = _copy_target(func, name, args, kwargs)
+        on_cuda = target.type == "cuda" if target is not None else isinstance(args[0], FakeCudaTensor)
     elif dev is not None:
         on_cuda = dev.type == "cuda"
     else:
@@ -295,6 +304,9 @@ def dispatch(func, args, kwargs, rec, mode):
     if name == "is_pinned" and fakes:
         return False
     out = func(*u_args, **u_kwargs)
+    if name == "to" and (on_cuda != isinstance(args[0], FakeCudaTensor)) and \
+            (out is args[0] or out is getattr(args[0], "inner", None)):
+        out = out.clone()     # to() of the CPU data returns it as is: a GPU copies across
 
     def rewrap(o):
         if not isinstance(o, torch.Tensor):
