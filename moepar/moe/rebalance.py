@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .. import checks
 from ..parallel import comm
 from .layer import MoE
 from .placement import Placement, check_placement_args, plan_placement
@@ -53,9 +54,8 @@ def rebalance(model: nn.Module, *, ranks_per_node: int | None = None,
     if not isinstance(model, nn.Module):
         raise ValueError(f"rebalance needs a torch.nn.Module, got {type(model).__name__}")
     check_placement_args([0.0], 1, 0, 1, ranks_per_node)
-    if not (isinstance(owner_slack, (int, float)) and not isinstance(owner_slack, bool) and owner_slack >= 0):
-        raise ValueError(f"owner_slack={owner_slack!r} must be a finite number >= 0")
-    if not (isinstance(decay, (int, float)) and not isinstance(decay, bool) and 0 <= decay < 1):
+    checks.finite("owner_slack", owner_slack, at_least=0)
+    if not (checks.is_number(decay) and 0 <= decay < 1):
         raise ValueError(f"decay={decay!r} must be a number in [0, 1) (the weight of the previous load)")
     layers = [(name, m) for name, m in model.named_modules() if isinstance(m, MoE) and m.replicas is not None]
     if not layers:

@@ -260,3 +260,6 @@ def test_rebalance_decay_plans_from_a_moving_average_of_the_loads():
         assert all(f >= 0 and float(f).is_integer() for f in fresh) and sum(fresh) == sum(first)
     with pytest.raises(ValueError, match=r"decay=1.0 must be a number in \[0, 1\)"):
         moepar.rebalance(torch.nn.Linear(2, 2), decay=1.0)
+    for bad in (float("inf"), float("nan"), -0.5, True):   # not finite, negative, a bool
+        with pytest.raises(ValueError, match=rf"owner_slack={bad!r} must be a finite number >= 0"):
+            moepar.rebalance(torch.nn.Linear(2, 2), owner_slack=bad)
