@@ -7,7 +7,9 @@ whose functions run are the files to read. ``traced_files(fn)`` runs ``fn`` unde
 and class bodies run at import left out: they only import and dispatch), in first-call order.
 
 ``python -m tests.helpers.reading_path forward|report`` prints the list with each file's lines
-(forward: a dropless top-2 layer at ep = 2 on two gloo ranks, after one warm-up call).
+(forward: a dropless top-2 layer at ep = 2 on two gloo ranks, after one warm-up call);
+``--functions`` adds, per file, the lines of the functions that ran (their def-to-last-line
+spans, nested ones counted once): what a reader of that path must read at the least.
 """
 from __future__ import annotations
 
@@ -20,15 +22,20 @@ _DIRS = (os.path.join(ROOT, "moepar") + os.sep, os.path.join(ROOT, "kernels") + 
 _GLUE = ("__init__.py", "__main__.py", "_lazy.py")   # _lazy.py: the packages' lazy imports
 
 
-def traced_files(fn, *args, **kwargs) -> list[str]:
-    seen: dict[str, None] = {}
+def traced_functions(fn, *args, **kwargs) -> dict[str, set[int]]:
+    """{file: the line numbers of the functions that ran there}, files in first-call order."""
+    seen: dict[str, set[int]] = {}
+    codes: set = set()
 
     def prof(frame, event, arg):
         # Functions only: module and class bodies (run once, at import) are not reading.
-        if event == "call" and frame.f_code.co_flags & inspect.CO_OPTIMIZED:
-            path = frame.f_code.co_filename
-            if path.startswith(_DIRS) and os.path.basename(path) not in _GLUE and path not in seen:
-                seen[path] = None
+        code = frame.f_code
+        if event == "call" and code.co_flags & inspect.CO_OPTIMIZED and code not in codes:
+            codes.add(code)
+            path = code.co_filename
+            if path.startswith(_DIRS) and os.path.basename(path) not in _GLUE:
+                last = max((line for _, _, line in code.co_lines() if line), default=code.co_firstlineno)
+                seen.setdefault(path, set()).update(range(code.co_firstlineno, last + 1))
 
     old = sys.getprofile()
     sys.setprofile(prof)
@@ -36,7 +43,11 @@ def traced_files(fn, *args, **kwargs) -> list[str]:
         fn(*args, **kwargs)
     finally:
         sys.setprofile(old)
-    return [os.path.relpath(p, ROOT) for p in seen]
+    return {os.path.relpath(p, ROOT): lines for p, lines in seen.items()}
+
+
+def traced_files(fn, *args, **kwargs) -> list[str]:
+    return list(traced_functions(fn, *args, **kwargs))
 
 
 def line_count(path: str) -> int:
@@ -44,18 +55,20 @@ def line_count(path: str) -> int:
         return sum(1 for _ in f)
 
 
-def default_forward_files() -> list[str]:
-    """On each rank of an ep = 2 world: the files one default forward runs (after a warm-up)."""
+def default_forward_files(lines: bool = False):
+    """On each rank of an ep = 2 world: the files one default forward runs (after a warm-up);
+    ``lines``: {file: lines of the functions that ran} instead."""
     import torch
     import moepar
     moepar.init_parallel(expert_parallel_size=2)
     moe = moepar.MoE(16, 4, 2, k=2, ffn_hidden=32, init_seed=0)
     x = torch.randn(8, 16)
     moe(x)
-    return traced_files(moe, x)
+    ran = traced_functions(moe, x)
+    return {f: len(v) for f, v in ran.items()} if lines else list(ran)
 
 
-def report_files(argv: list[str]) -> list[str]:
+def report_files(argv: list[str], lines: bool = False):
     """The files ``python -m moepar <argv>`` runs (its output discarded)."""
     import contextlib
     import io
@@ -71,32 +84,37 @@ def report_files(argv: list[str]) -> list[str]:
                     raise
     old = sys.argv
     try:
-        return traced_files(run)
+        ran = traced_functions(run)
     finally:
         sys.argv = old
+    return {f: len(v) for f, v in ran.items()} if lines else list(ran)
 
 
 REPORT_ARGS = ["report", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "8"]
 
 
-def _print(files: list[str]) -> None:
-    total = 0
+def _print(files, ran: dict[str, int] | None = None) -> None:
+    total = total_ran = 0
     for f in files:
         n = line_count(f)
         total += n
-        print(f"{n:5d}  {f}")
-    print(f"{len(files)} files, {total} lines")
+        if ran is None:
+            print(f"{n:5d}  {f}")
+        else:
+            total_ran += ran[f]
+            print(f"{n:5d}  {ran[f]:5d} ran  {f}")
+    print(f"{len(files)} files, {total} lines" + ("" if ran is None else f", {total_ran} of them in functions that ran"))
 
 
 if __name__ == "__main__":
     # --list: the paths alone, one a line (what the tests read: the trace runs in a process
     # of its own, since caches warmed by earlier work in a process would hide calls).
-    listing = "--list" in sys.argv
-    argv = [a for a in sys.argv[1:] if a != "--list"]
+    listing, functions = "--list" in sys.argv, "--functions" in sys.argv
+    argv = [a for a in sys.argv[1:] if a not in ("--list", "--functions")]
     what = argv[0] if argv else "forward"
     if what == "forward":
         from .multiproc import run_ranks
-        files = run_ranks(default_forward_files, 2, fresh=True)[0]
+        ran = run_ranks(default_forward_files, 2, True, fresh=True)[0]
     else:
-        files = report_files(argv[1:] or REPORT_ARGS)
-    print("\n".join(files)) if listing else _print(files)
+        ran = report_files(argv[1:] or REPORT_ARGS, lines=True)
+    print("\n".join(ran)) if listing else _print(list(ran), ran if functions else None)
