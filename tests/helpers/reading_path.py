@@ -1,10 +1,11 @@
 """Which of the project's files a path through the code runs, in the order it meets them.
 
 A newcomer reads the default forward (or the cost report) by following the calls; the files
-whose functions run are the files to read. ``traced_files(fn)`` runs ``fn`` under
-``sys.setprofile`` and returns those files (paths from the repository root, package
-``__init__``/``__main__`` modules, ``moepar/_lazy.py`` (the packages' lazy imports) and module
-and class bodies run at import left out: they only import and dispatch), in first-call order.
+whose functions run are the files to read. ``traced_functions(fn)`` runs ``fn`` under
+``sys.setprofile`` and returns those files, each with the lines of its functions that ran
+(paths from the repository root, package ``__init__``/``__main__`` modules,
+``moepar/_lazy.py`` (the packages' lazy imports) and module and class bodies run at import
+left out: they only import and dispatch), in first-call order.
 
 ``python -m tests.helpers.reading_path forward|report`` prints the list with each file's lines
 (forward: a dropless top-2 layer at ep = 2 on two gloo ranks, after one warm-up call);
@@ -22,8 +23,8 @@ _DIRS = (os.path.join(ROOT, "moepar") + os.sep, os.path.join(ROOT, "kernels") + 
 _GLUE = ("__init__.py", "__main__.py", "_lazy.py")   # _lazy.py: the packages' lazy imports
 
 
-def traced_functions(fn, *args, **kwargs) -> dict[str, set[int]]:
-    """{file: the line numbers of the functions that ran there}, files in first-call order."""
+def traced_functions(fn, *args, **kwargs) -> dict[str, int]:
+    """{file: lines of the functions that ran there}, files in first-call order."""
     seen: dict[str, set[int]] = {}
     codes: set = set()
 
@@ -43,11 +44,7 @@ def traced_functions(fn, *args, **kwargs) -> dict[str, set[int]]:
         fn(*args, **kwargs)
     finally:
         sys.setprofile(old)
-    return {os.path.relpath(p, ROOT): lines for p, lines in seen.items()}
-
-
-def traced_files(fn, *args, **kwargs) -> list[str]:
-    return list(traced_functions(fn, *args, **kwargs))
+    return {os.path.relpath(p, ROOT): len(lines) for p, lines in seen.items()}
 
 
 def line_count(path: str) -> int:
@@ -55,21 +52,21 @@ def line_count(path: str) -> int:
         return sum(1 for _ in f)
 
 
-def default_forward_files(lines: bool = False):
-    """On each rank of an ep = 2 world: the files one default forward runs (after a warm-up);
-    ``lines``: {file: lines of the functions that ran} instead."""
+def default_forward_files() -> dict[str, int]:
+    """On each rank of an ep = 2 world: the files one default forward runs (after a warm-up),
+    each with the lines of its functions that ran."""
     import torch
     import moepar
     moepar.init_parallel(expert_parallel_size=2)
     moe = moepar.MoE(16, 4, 2, k=2, ffn_hidden=32, init_seed=0)
     x = torch.randn(8, 16)
     moe(x)
-    ran = traced_functions(moe, x)
-    return {f: len(v) for f, v in ran.items()} if lines else list(ran)
+    return traced_functions(moe, x)
 
 
-def report_files(argv: list[str], lines: bool = False):
-    """The files ``python -m moepar <argv>`` runs (its output discarded)."""
+def report_files(argv: list[str]) -> dict[str, int]:
+    """The files ``python -m moepar <argv>`` runs (its output discarded), each with the lines
+    of its functions that ran."""
     import contextlib
     import io
     import runpy
@@ -84,10 +81,9 @@ def report_files(argv: list[str], lines: bool = False):
                     raise
     old = sys.argv
     try:
-        ran = traced_functions(run)
+        return traced_functions(run)
     finally:
         sys.argv = old
-    return {f: len(v) for f, v in ran.items()} if lines else list(ran)
 
 
 REPORT_ARGS = ["report", "--model", "mixtral-8x7b", "--gpus", "16", "--tp", "2", "--ep", "8"]
@@ -114,7 +110,7 @@ if __name__ == "__main__":
     what = argv[0] if argv else "forward"
     if what == "forward":
         from .multiproc import run_ranks
-        ran = run_ranks(default_forward_files, 2, True, fresh=True)[0]
+        ran = run_ranks(default_forward_files, 2, fresh=True)[0]
     else:
-        ran = report_files(argv[1:] or REPORT_ARGS, lines=True)
+        ran = report_files(argv[1:] or REPORT_ARGS)
     print("\n".join(ran)) if listing else _print(list(ran), ran if functions else None)
