@@ -99,7 +99,8 @@ def _print(files, ran: dict[str, int] | None = None) -> None:
         else:
             total_ran += ran[f]
             print(f"{n:5d}  {ran[f]:5d} ran  {f}")
-    print(f"{len(files)} files, {total} lines" + ("" if ran is None else f", {total_ran} of them in functions that ran"))
+    ran_note = "" if ran is None else f", {total_ran} of them in functions that ran"
+    print(f"{len(files)} files, {total} lines{ran_note}")
 
 
 if __name__ == "__main__":

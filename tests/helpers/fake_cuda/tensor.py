@@ -113,14 +113,15 @@ SYNC_OPS = {
 SCALAR_VALUE_OPS = {"masked_fill", "masked_fill_", "index_fill", "index_fill_"}
 INDEX_OPS = {"index", "index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
 COPY_OPS = {"copy_", "_to_copy", "_copy_from", "_copy_from_and_resize", "copy"}
+COPY_TO_OPS = ("_to_copy", "to")   # copies to a device named in the call (to: a custom op's body)
 # Ops that launch nothing on a GPU: views, metadata, allocations (the caching allocator).
 NO_KERNEL_OPS = {"view", "_unsafe_view", "t", "detach", "expand", "as_strided", "reshape", "transpose", "permute",
                  "slice", "select", "unsqueeze", "squeeze", "alias", "split", "split_with_sizes", "unbind",
                  "narrow", "_reshape_alias", "lift_fresh", "empty", "empty_strided", "empty_like", "new_empty",
                  "new_empty_strided", "set_", "resize_", "is_pinned", "_pin_memory", "view_as_real",
                  "view_as_complex", "_has_compatible_shallow_copy_type", "is_same_size", "sym_size", "sym_stride",
-                 "sym_numel", "sym_storage_offset", "_local_scalar_dense", "item", "record_stream", "movedim", "unflatten",
-                 "flatten", "chunk", "contiguous", "expand_as", "view_as", "squeeze_", "unsqueeze_", "t_",
+                 "sym_numel", "sym_storage_offset", "_local_scalar_dense", "item", "record_stream", "movedim",
+                 "unflatten", "flatten", "chunk", "contiguous", "expand_as", "view_as", "squeeze_", "unsqueeze_", "t_",
                  "transpose_", "as_strided_", "detach_"}
 # Ops that may take CPU tensors next to CUDA ones on a real GPU.
 MIX_ALLOWED = COPY_OPS | INDEX_OPS | {"lift_fresh", "lift_fresh_copy", "tensor_split", "set_",
@@ -184,11 +185,12 @@ def _copy_target(func, name: str, args, kwargs) -> torch.device | None:
     return _device_of(_arg(func, args, kwargs, "device") if name == "to" else kwargs.get("device"))
 
 
-def _classify(func, name: str, args, kwargs, flat, fakes, rec) -> None:
-    """Tell the recorder what this op costs on a GPU, or that a GPU would refuse it."""
-    if name in ("_to_copy", "to"):
+def _classify(func, name: str, args, kwargs, flat, fakes, rec, target: torch.device | None) -> None:
+    """Tell the recorder what this op costs on a GPU, or that a GPU would refuse it.
+    ``target``: where a ``_to_copy`` / ``to`` copies to (``_copy_target``)."""
+    if name in COPY_TO_OPS:
         # ``to`` reaches the mode whole (not as _to_copy) below autograd: a custom op's body.
-        src, dst = args[0], _copy_target(func, name, args, kwargs)
+        src, dst = args[0], target
         nb = bool(_arg(func, args, kwargs, "non_blocking", False))
         if isinstance(src, FakeCudaTensor) and dst is not None and dst.type == "cpu":
             rec.add("async_d2h" if nb else "host_read", "d2h", str(func), _nbytes(src))
@@ -272,13 +274,13 @@ def dispatch(func, args, kwargs, rec, mode):
             with mode:
                 return custom(*args, **kwargs)
         return custom(*args, **kwargs)
+    target = _copy_target(func, name, args, kwargs) if name in COPY_TO_OPS else None
     if rec is not None:
-        _classify(func, name, args, kwargs, flat, fakes, rec)
+        _classify(func, name, args, kwargs, flat, fakes, rec, target)
         if (fakes or (dev is not None and dev.type == "cuda")) and name not in NO_KERNEL_OPS:
             rec.add_device_op(name)
     # Which device the result lives on, as CUDA would place it.
-    if name in ("_to_copy", "to"):
-        target = _copy_target(func, name, args, kwargs)
+    if name in COPY_TO_OPS:
         on_cuda = target.type == "cuda" if target is not None else isinstance(args[0], FakeCudaTensor)
     elif dev is not None:
         on_cuda = dev.type == "cuda"
