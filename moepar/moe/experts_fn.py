@@ -53,9 +53,12 @@ class ExpertsFunction(torch.autograd.Function):
     on the device) is known: then ``path`` must be "grouped_mm" (nothing read to the host)."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, b1, b2, b3, counts, counts_dev, path, activation, segment_experts=None):
+    def forward(ctx, x, w1, w2, w3, b1, b2, b3, counts, counts_dev, path, activation, segment_experts=None,
+                rebuild=None):
         # segment_experts: row block i is for expert segment_experts[i] (any order, repeats
         # allowed; the loop path with whole weights, see LoopGemm); None: block e is expert e.
+        # rebuild: a function returning (w1, w2, w3) again in the backward, for weights the
+        # caller assembled (expert replication's slots): then autograd keeps none of them.
         mapped = segment_experts is not None
         on_cpu = x.device.type == "cpu"
         saved = []
@@ -96,14 +99,26 @@ class ExpertsFunction(torch.autograd.Function):
                 torch.index_select(gemm.fwd(a, part(w2), part(b2)), 0, gemm.dest, out=y[r0:r1])
             saved.append((e0, e1, r0, r1, gemm, xg, h1, h3, a if activation == "relu" else None))
             del a
-        ctx.save_for_backward(w1, w2, w3)
+        # Under saved-tensor hooks (activation recomputation, offloading) the activations go
+        # through them: a checkpoint must be able to drop them. Otherwise they are kept on ctx,
+        # so that the backward frees each segment's as it goes (a lower peak).
+        ctx.hooked = torch._C._autograd._top_saved_tensors_default_hooks(False) is not None
+        ctx.rebuild = rebuild
+        weights = (w1, w2, w3) if rebuild is None else (None, None, None)
+        if ctx.hooked:
+            ctx.save_for_backward(*weights, *(t for seg in saved for t in seg[5:]))
+            saved = [seg[:5] for seg in saved]
+        else:
+            ctx.save_for_backward(*weights)
         ctx.segments, ctx.activation, ctx.mapped, ctx.whole = saved, activation, mapped, whole
         ctx.has_b = (b1 is not None, b2 is not None, b3 is not None)
         return y
 
     @staticmethod
     def backward(ctx, gy):
-        w1, w2, w3 = ctx.saved_tensors
+        w1, w2, w3, *activations = ctx.saved_tensors
+        if ctx.rebuild is not None:
+            w1, w2, w3 = ctx.rebuild()
         act, need, whole = ctx.activation, ctx.needs_input_grad, ctx.whole
         gy = gy.contiguous()
         # Whole gradient buffers, each segment writes its slice (one segment off the CPU: the
@@ -123,7 +138,17 @@ class ExpertsFunction(torch.autograd.Function):
         if ctx.mapped:   # blocks accumulate into their expert's gradients (none: zero)
             for t in grads.values():
                 t.zero_()
-        segments, ctx.segments = ctx.segments, None
+        if ctx.hooked:   # the hooks' tensors, 4 a segment (xg, h1, h3, relu's a): kept on ctx
+            segments = [(*seg, *activations[4 * i:4 * i + 4]) for i, seg in enumerate(ctx.segments)]
+        else:
+            segments, ctx.segments = ctx.segments, None
+        if segments is None:   # not silently zero: the buffers above were never written
+            raise RuntimeError(
+                "moepar's grouped experts were backpropagated a second time through the same graph "
+                "(backward(retain_graph=True), then backward again): their backward frees the "
+                "activations it used as it goes, for a lower peak memory; run the forward again, or "
+                "build the layer with recompute_experts=True (the experts then recompute them in each "
+                "backward)")
 
         def put(name, part, fn):
             """Write gradient ``name`` for this segment: into its slice, or as the whole result."""
@@ -185,7 +210,7 @@ class ExpertsFunction(torch.autograd.Function):
                 gx[gx_first[0]:gx_first[1]] = gx_first[2]
                 gx_first = None
         g = grads.get
-        return gx, g("w1"), g("w2"), g("w3"), g("b1"), g("b2"), g("b3"), None, None, None, None, None
+        return gx, g("w1"), g("w2"), g("w3"), g("b1"), g("b2"), g("b3"), None, None, None, None, None, None
 
 
 def check_counts(counts: list[int], num_local_experts: int, rows: int) -> list[int]:

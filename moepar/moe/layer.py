@@ -23,7 +23,7 @@ from .dispatcher import Dispatcher
 from .experts import ExpertShard, GroupedExperts
 from .layer_options import SharedExperts, routes_as_rows, sum_routes
 from .replicas import Replicas
-from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, tapped
+from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, keep_scope, tapped
 from .stats import MoEStats
 from .router import TopKRouter, input_error as routing_input_error
 from .traffic import aux_group_name
@@ -141,10 +141,18 @@ class MoE(nn.Module):
             return value
         return tapped(value, cell, name)
 
-    def train(self, mode: bool = True):
-        if not mode:   # routings kept for a reentrant recompute that evaluation will not run
-            self._replay.clear_detached()
-        return super().train(mode)
+    def seed_loss_gradient(self, scale: float) -> bool:
+        """For a caller that adds this forward's aux and z losses to its loss itself (a
+        pipeline stage) when the forward ran without grad inside a reentrant checkpoint: the
+        gradient ``scale`` those losses get, applied by the recompute (moepar.moe.recompute).
+        False where this forward kept no record (no checkpoint will recompute it)."""
+        cell = self._loss_cell
+        if cell is None:
+            return False
+        for name in ("aux", "z"):
+            if self._losses[name] is not None:
+                cell.add(name, scale)
+        return True
 
     @property
     def stats(self) -> MoEStats:
@@ -159,6 +167,7 @@ class MoE(nn.Module):
         recompute = not traced and in_recompute()
         if not recompute:
             self._stats.comm.reset()
+            self._loss_cell = None   # set again where this forward keeps a reentrant record
         error = self._input_error(x)
         # A rank whose input is invalid routes an empty batch instead, so that it still meets
         # its peers in every collective up to the counts exchange, where they all raise.
@@ -166,11 +175,12 @@ class MoE(nn.Module):
         flags = {}
         if self.config.exchange.check_finite and error is None:
             flags["nonfinite_input"] = (~torch.isfinite(x_TD)).sum()
-        record = self._replay.take(x_TD.shape[0]) if recompute and self.training else None
+        record = self._replay.find(x_TD) if recompute and self.training else None
         routing = self.router(x_TD, stats_group=self._aux_group(), defer_checks=True,        # 1. route
                               replay=record, count=not recompute, comm_stats=self._stats.comm)
-        if self.training and not recompute and not traced:
-            routing = self._keep_routing(routing, x_TD.shape[0])
+        scope = keep_scope() if self.training and not traced else None
+        if scope is not None:   # a recompute may re-run this forward (a nested one: this recompute)
+            routing = self._keep_routing(routing, x_TD, scope, record, recompute)
         if routing.nonfinite is not None:
             flags["nonfinite_logits"] = routing.nonfinite
         x_rows, ids, dropped, w = self._dispatched_rows(x_TD, routing)
@@ -200,13 +210,21 @@ class MoE(nn.Module):
             y_TD = attach_losses(y_TD, aux, z, record.cell)
         return y_TD.reshape(x.shape)
 
-    def _keep_routing(self, routing, tokens: int):
-        """Keep this training forward's routing for a recompute; under no_grad (the reentrant
-        recompute's forward) with a cell that will carry its losses' gradient."""
-        cell = None if torch.is_grad_enabled() else LossCell()
-        record = Record(tokens, routing.expert_ids, routing.dropped, routing.noise_rng, cell)
-        self._loss_cell = cell
-        return dataclasses.replace(routing, weights=self._replay.keep(record, routing.weights))
+    def _keep_routing(self, routing, x_TD: torch.Tensor, scope, replayed: Record | None, recompute: bool):
+        """Keep this training forward's routing where its recompute will find it
+        (moepar.moe.recompute); kept on a reentrant checkpoint's node (a no_grad forward),
+        with a cell that will carry its losses' gradient: the replayed forward's own cell
+        when this is a recompute inside another (nested checkpoints)."""
+        graph = scope == "graph"
+        cell = None
+        if not graph:
+            cell = replayed.cell if replayed is not None and replayed.cell is not None else LossCell()
+        noise = routing.noise_rng if routing.noise_rng is not None or replayed is None else replayed.noise_rng
+        key = self._replay.fingerprint(x_TD) if not graph or routing.weights.requires_grad else None
+        record = Record(x_TD.shape[0], routing.expert_ids, routing.dropped, noise, cell, key)
+        if not recompute:
+            self._loss_cell = cell
+        return dataclasses.replace(routing, weights=self._replay.keep(scope, record, routing.weights))
 
     def _input_error(self, x: torch.Tensor) -> str | None:
         """What is wrong with ``x`` here, on the host (no data read), or None."""
@@ -257,8 +275,6 @@ class MoE(nn.Module):
 
     def _record(self, routing, meta) -> None:
         """The losses and statistics of this forward."""
-        if not self.training:
-            self._loss_cell = None
         aux, z = self._scaled_losses(routing)
         self._losses = {"aux": aux, "z": z}
         self._stats.tokens_per_expert = routing.tokens_per_expert.detach()

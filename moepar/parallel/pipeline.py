@@ -260,6 +260,7 @@ class Pipeline:
             raise ValueError("pipeline stages need pipeline_parallel_size >= 2 in moepar.init_parallel")
         self.state, self.microbatches, self.chunks, self.stage_ids = state, microbatches, list(chunks), ids
         self._aux_sum = None
+        self._training = False   # inside step(): a forward without grad must be a checkpoint's
         self._hooks = [m.register_forward_hook(self._attach_router_losses)
                        for c in self.chunks for m in c.modules() if _has_router_losses(m)]
         stage_cls = type("TrackedPipelineStage", (_TrackedStage, pipelining.PipelineStage), {})
@@ -279,14 +280,28 @@ class Pipeline:
         self.has_last = any(s.is_last for s in self.stages)
 
     def _attach_router_losses(self, module, inputs, output):
-        if not (module.training and torch.is_grad_enabled()) or _in_backward():
+        if not module.training or _in_backward():
             return output
         terms = [t for t in (module.aux_loss, module.z_loss) if t is not None]
         if not terms:
             return output
         loss = terms[0] if len(terms) == 1 else terms[0] + terms[1]
+        if not torch.is_grad_enabled():
+            # The reentrant checkpoint's forward (no graph): the layer's recompute attaches the
+            # losses, with the gradient given here; refused where nothing will recompute it.
+            seed = getattr(module, "seed_loss_gradient", None)
+            if not self._training or seed is None or not seed(1.0 / self.microbatches):
+                if self._training:
+                    raise RuntimeError(
+                        f"{type(module).__name__} ran a training forward without grad inside a pipeline "
+                        f"step, outside any autograd Function (a reentrant checkpoint is one): its aux "
+                        f"loss would get no gradient; run the stage's forward with grad, or under "
+                        f"torch.utils.checkpoint (either flavour)")
+                return output
         value = loss.detach().float().reshape(())
         self._aux_sum = value if self._aux_sum is None else self._aux_sum + value
+        if not torch.is_grad_enabled():
+            return output
         return AttachLoss.apply(output, loss, 1.0 / self.microbatches) if loss.requires_grad else output
 
     def _run(self, x, target, train: bool):
@@ -296,8 +311,12 @@ class Pipeline:
         self._aux_sum = None
         for c in self.chunks:
             c.train(train)
+        self._training = train
         if train:
-            self.schedule.step(*args, return_outputs=False, **kwargs)
+            try:
+                self.schedule.step(*args, return_outputs=False, **kwargs)
+            finally:
+                self._training = False
         elif self._v_shaped:
             # torch 2.13's V-shaped schedules have no forward-only step (their backward actions
             # run anyway): run the step, in eval mode, and drop the gradients it made.

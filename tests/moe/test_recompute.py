@@ -8,6 +8,9 @@ and micro-batch tests for both flavours (load_accum 2x); routing afresh in the r
 fails the jitter and micro-batch tests for both flavours and, under the reentrant flavour,
 the router gradient (no aux-loss gradient reaches it).
 """
+import gc
+import weakref
+
 import pytest
 import torch
 from torch import nn
@@ -31,7 +34,7 @@ class Block(nn.Module):
         self.proj = nn.Linear(D, D)
         torch.nn.init.normal_(self.proj.weight, std=0.3, generator=torch.Generator().manual_seed(3))
         self.moe = moepar.MoE(D, 4, state.ep_size, state=state, ffn_hidden=8, k=2, init_seed=5,
-                              recompute_experts=flavour == "recompute_experts", **kw)
+                              recompute_experts=kw.pop("recompute_experts", flavour == "recompute_experts"), **kw)
 
     def _inner(self, x):
         return x + self.moe(torch.tanh(self.proj(x)))
@@ -63,7 +66,8 @@ def _train(flavour, steps=3, state=None, **kw):
         out["router_grad"].append(block.moe.router.weight.grad.clone())
         out["load"].append(block.moe.router.load_accum.clone())
         out["stats"].append(block.moe.stats.tokens_per_expert.clone())
-        assert len(block.moe._replay) == 0, "a record outlived its backward"
+        del y
+        assert len(block.moe._replay) == 0, "a record outlived its graph"
         opt.step()
         opt.zero_grad(set_to_none=True)
     return out
@@ -141,19 +145,22 @@ def test_micro_batches_replay_in_order(flavour):
 def test_nothing_is_kept_past_its_use():
     block = Block("none", expert_bias=True)
     y = block(torch.randn(T, D))
-    assert len(block.moe._replay) == 1          # held by the graph until the backward
-    del y
-    assert len(block.moe._replay) == 0          # a forward never backpropagated keeps nothing
-    with torch.no_grad():                       # a training-mode forward under no_grad: kept ...
+    assert len(block.moe._replay) == 0          # a forward nothing can recompute keeps nothing
+    with torch.no_grad():                       # nor does a training-mode forward under no_grad
         block(torch.randn(T, D))
-    assert len(block.moe._replay) == 1
-    block.eval()                                # ... until evaluation mode drops it
-    assert len(block.moe._replay) == 0
-    block.train()
-    with torch.no_grad():
-        for _ in range(recompute.DETACHED_RECORDS + 5):
-            block(torch.randn(T, D))
-    assert len(block.moe._replay) == recompute.DETACHED_RECORDS
+    assert len(block.moe._replay) == 0 and block.moe._loss_cell is None
+    block = Block("non_reentrant", expert_bias=True)
+    y = block(torch.randn(T, D, requires_grad=True))
+    assert len(block.moe._replay) == 1          # held by the graph until the backward ...
+    del y
+    assert len(block.moe._replay) == 0          # ... or until the graph is freed
+    block = Block("reentrant", expert_bias=True)
+    y = block(torch.randn(T, D, requires_grad=True))
+    node = y.grad_fn                            # the reentrant checkpoint's Function node
+    assert recompute.scoped(node) == 1 and len(block.moe._replay) == 1
+    del y, node
+    gc.collect()
+    assert len(block.moe._replay) == 0          # the record went with the node
 
 
 def test_is_recompute_only_inside_a_backward():
@@ -190,3 +197,28 @@ def test_recompute_at_ep2_reruns_the_exchange_and_counts_once():
                 assert torch.equal(runs[flavour]["load"][step], want["load"][step]), flavour
                 torch.testing.assert_close(runs[flavour]["router_grad"][step], want["router_grad"][step],
                                            atol=1e-6, rtol=0)
+
+
+def _live_activations(F_):
+    gc.collect()
+    return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dim() == 2 and o.shape[1] == F_]
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu", "relu"])
+def test_recomputation_drops_the_experts_activations(activation):
+    """The experts' [N, F] activations reach saved-tensor hooks, so that activation
+    recomputation drops them: with recompute_experts=True the forward's graph holds none
+    (before, the experts kept them on their node, beside the hooks: the recompute saved no
+    memory), and the hooks see them under a checkpoint of the caller's."""
+    F_ = 24
+    x = torch.randn(T, D, requires_grad=True)
+    moe = moepar.MoE(D, 4, 1, ffn_hidden=F_, k=2, init_seed=5, activation=activation, recompute_experts=True)
+    y = moe(x)
+    assert _live_activations(F_) == []
+    y.sum().backward()
+    shapes = []
+    moe = moepar.MoE(D, 4, 1, ffn_hidden=F_, k=2, init_seed=5, activation=activation)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        y = moe(x)
+    assert any(len(s) == 2 and s[1] == F_ for s in shapes)   # [rows, F] pre-activations
+    del y

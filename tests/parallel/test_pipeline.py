@@ -99,12 +99,22 @@ def _train_flat(tp, ep, steps, resume, opt_name="adamw", micro=MICRO, ckpt=None)
     return losses
 
 
+def _checkpoint_blocks(chunks, flavour):
+    """Every block of every stage recomputed in its backward (torch.utils.checkpoint)."""
+    for c in chunks:
+        for block in c.blocks.values():
+            block.forward = functools.partial(torch.utils.checkpoint.checkpoint, block.forward,
+                                              use_reentrant=flavour == "reentrant")
+
+
 def _train_pipelined(tp, ep, schedule, v, steps, micro=MICRO, ckpt=None, resume=None, opt_name="sgd",
-                     fsdp=False):
+                     fsdp=False, recompute=None):
     state = moepar.init_parallel(tp, ep, pipeline_parallel_size=2, virtual_pipeline_size=v)
     num = pipeline.check_pipeline(schedule, 2, micro, CFG["layers"], v)
     ids = pipeline.stage_ids(state.pp_rank, 2, schedule, v)
     chunks = [GPT(GPTConfig(**CFG), state, stage=(i, num)) for i in ids]
+    if recompute is not None:
+        _checkpoint_blocks(chunks, recompute)
     if fsdp:   # each stage shards its own parameters over its stage's dp / edp groups
         chunks = [moepar.fully_shard(c, state) for c in chunks]
     model = chunks[0] if len(chunks) == 1 else pipeline.StageChunks(chunks)
@@ -154,8 +164,9 @@ def _check_exact(results, ref_losses, ref_params, tol=1e-5):
 
 
 def _schedules(runs):
-    return [_train_pipelined(1, 2, schedule, v, steps, micro, fsdp=fsdp)
-            for schedule, v, steps, micro, *fsdp in runs for fsdp in [bool(fsdp)]]
+    return [_train_pipelined(1, 2, schedule, v, steps, micro, fsdp=fsdp == "fsdp",
+                             recompute=fsdp if fsdp in ("reentrant", "non_reentrant") else None)
+            for schedule, v, steps, micro, *fsdp in runs for fsdp in [fsdp[0] if fsdp else None]]
 
 
 def test_pp2_ep2_trains_as_one_process():
@@ -190,6 +201,22 @@ def test_every_schedule_gives_the_same_losses():
     runs = [("gpipe", 1, 2, 4), ("zb", 2, 2, 4), ("zbv", 2, 2, 4), ("dualpipev", 2, 2, 4), ("1f1b", 1, 2, 4, "fsdp")]
     per_rank = run_ranks(_schedules, 4, runs)
     for i, (schedule, *_) in enumerate(runs):
+        _check_exact([r[i] for r in per_rank], ref_losses, ref_params)
+
+
+def test_recomputed_stages_train_as_one_process():
+    # Every block of every stage under activation recomputation, each flavour, micro-batches
+    # in flight on each stage: 1F1B and interleaved (4 micro-batches), and the zero-bubble
+    # split backward with the non-reentrant flavour (torch's reentrant flavour refuses the
+    # input-only backward it runs). The losses, the aux loss and every parameter equal one
+    # process's: each recompute replays its own micro-batch's routing, and the aux loss gets
+    # its gradient also under the reentrant flavour (it got none before: the stage's hook
+    # skipped the no_grad forward).
+    ref_losses, ref_params = reference(2, 4)
+    runs = [("1f1b", 1, 2, 4, "reentrant"), ("interleaved", 2, 2, 4, "reentrant"),
+            ("1f1b", 1, 2, 4, "non_reentrant"), ("zb", 2, 2, 4, "non_reentrant")]
+    per_rank = run_ranks(_schedules, 4, runs)
+    for i, run in enumerate(runs):
         _check_exact([r[i] for r in per_rank], ref_losses, ref_params)
 
 
