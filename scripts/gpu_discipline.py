@@ -46,6 +46,8 @@ CASES = [
     ("ep4", 4, 1, 4, 1, {}),
     ("ep2·etp2", 4, 1, 2, 2, {}),
     ("tp2·ep2 + shared experts", 4, 2, 2, 1, {"num_shared_experts": 1}),
+    ("ep2, 2 redundant experts", 2, 1, 2, 1, {"redundant_experts": 2}),
+    ("ep4, 4 redundant experts (E 8)", 4, 1, 4, 1, {"redundant_experts": 4, "num_experts": 8}),
 ]
 GRAD_CASES = [("grad_norm", "tp2·ep2"), ("clip_grad_norm_", "tp2·ep2")]
 TOKENS = 6

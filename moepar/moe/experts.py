@@ -46,6 +46,8 @@ from .experts_fn import ExpertsFunction, check_counts, resolve_gemm_path
 from .experts_op import experts_fwd
 from ..parallel.fsdp import copy_local
 
+RECEIVE = object()   # GroupedExperts.forward's default: the replicas' copies arrive inside it
+
 
 _SEED_MIX = 0x9E3779B97F4A7C15   # golden-ratio constant: spreads (seed, g) over the 64-bit space
 
@@ -244,7 +246,7 @@ class GroupedExperts(nn.Module):
                                  x_ND.shape[0])
 
     def forward(self, x_ND: torch.Tensor, tokens_per_expert, segment_experts: Sequence[int] | None = None, *,
-                host_counts: Sequence[int] | None = None) -> torch.Tensor:
+                host_counts: Sequence[int] | None = None, copies=RECEIVE) -> torch.Tensor:
         """``y_ND [N, D]``: row block e (``tokens_per_expert[e]`` rows, expert-major) through
         local expert e. ``tokens_per_expert``: [E] int64 tensor on x's device, or a list;
         ``host_counts``: the same on the host when the caller knows them. On an accelerator
@@ -252,32 +254,35 @@ class GroupedExperts(nn.Module):
         other paths read the counts once). With ``etp_size > 1`` the result is this rank's
         partial sum (b2 included on expert-TP rank 0 only). With ``replicas`` (set by the
         layer for ``redundant_experts``) the blocks are this rank's slots
-        (``moepar.moe.replicas``).
+        (``moepar.moe.replicas``), whose remote copies arrive here unless the caller passes
+        ``copies`` (``receive_copies()``, e.g. from outside an activation recompute).
 
         ``segment_experts`` (optional): the rows are blocks in any order, block i
         (``tokens_per_expert[i]`` rows) going through local expert ``segment_experts[i]``
         (e.g. the source-rank-major rows of an all-to-all, which then need no regrouping
         copy). Runs the loop GEMM path, one product per block on the expert's weights in
         place, weight gradients accumulated per expert."""
-        params = self.weights()
-        if self.replicas is not None:   # local experts [L, ...] -> this rank's slots [S, ...]
-            params = self.replicas.slot_weights(params)
+        dt = self._compute_dtype(x_ND)
+        params = self._gemm_params(dt)
+        rebuild = None
+        if self.replicas is not None:   # local experts [L, ...] -> this rank's slots [H, ...]
+            if copies is RECEIVE:
+                copies = self.replicas.receive(params)
+            params, again = self.replicas.assemble(params, copies)
+            if again is not None:   # the backward assembles the slots again: autograd keeps none
+                rebuild = lambda: again(self._gemm_params(dt))[:3]   # noqa: E731
         b2 = params[4] if self.etp_size > 1 else None
         if b2 is not None:   # partial sums: b2 is added below, once over the expert-TP group
             params = params[:4] + (None,) + params[5:]
-        dev = x_ND.device.type
-        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.w1.dtype:
+        if dt is not None:
             # Under autocast the GEMMs run in the autocast dtype (master weights stay fp32;
-            # the casts are differentiable), as nn.Linear would.
-            dt = torch.get_autocast_dtype(dev)
+            # the casts, before the copies travel, are differentiable), as nn.Linear would.
             x_ND = x_ND.to(dt)
-            params = tuple(None if p is None else p.to(dt) for p in params)
-            b2 = None if b2 is None else b2.to(dt)
-            with torch.autocast(dev, enabled=False):
-                y_ND = self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts)
+            with torch.autocast(x_ND.device.type, enabled=False):
+                y_ND = self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts, rebuild)
         else:
             self._check_input(x_ND)
-            y_ND = self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts)
+            y_ND = self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts, rebuild)
         if b2 is not None:
             # Every expert-TP rank adds its copy of b2, rank 0 with weight 1 and the others
             # with 0: the reduction of the partial sums adds it once, and b2 has a gradient
@@ -286,18 +291,41 @@ class GroupedExperts(nn.Module):
             y_ND = self._add_bias(y_ND, b2 if self.etp_rank == 0 else b2 * 0.0, tokens_per_expert, host_counts)
         return y_ND
 
+    def _compute_dtype(self, x_ND: torch.Tensor) -> torch.dtype | None:
+        """The autocast dtype the GEMMs run in, None outside autocast (or where it is the weights')."""
+        dev = x_ND.device.type
+        if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != self.w1.dtype:
+            return torch.get_autocast_dtype(dev)
+        return None
+
+    def _gemm_params(self, dt: torch.dtype | None) -> tuple:
+        """(w1, w2, w3, b1, b2, b3) as the GEMMs read them: cast to ``dt`` where given
+        (differentiable; None entries stay None)."""
+        params = self.weights()
+        if dt is None:
+            return params
+        return tuple(None if p is None else p.to(dt) for p in params)
+
+    def receive_copies(self, x_ND: torch.Tensor):
+        """With replicas: the remote copies this rank's slots hold, for ``forward(copies=...)``
+        (the weights' all-to-all; None where none travel). Without: None."""
+        if self.replicas is None:
+            return None
+        return self.replicas.receive(self._gemm_params(self._compute_dtype(x_ND)))
+
     @property
     def num_slots(self) -> int:
         """Row blocks ``forward`` takes: the local experts, or with replicas this rank's slots."""
         return self.num_local_experts if self.replicas is None else self.replicas.slots_per_rank
 
-    def _run(self, x_ND, tokens_per_expert, params, segment_experts=None, host_counts=None) -> torch.Tensor:
+    def _run(self, x_ND, tokens_per_expert, params, segment_experts=None, host_counts=None,
+             rebuild=None) -> torch.Tensor:
         if segment_experts is not None:
             seg = [int(e) for e in segment_experts]
             if any(not 0 <= e < self.num_slots for e in seg):
                 raise ValueError(f"segment_experts={seg} must lie in [0, {self.num_slots}) (the local experts or slots)")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
-            return ExpertsFunction.apply(x_ND, *params, counts, None, "loop", self._act, seg)
+            return ExpertsFunction.apply(x_ND, *params, counts, None, "loop", self._act, seg, rebuild)
         # The custom op takes the built-in activation names only: the others stay eager.
         if (torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor)
                 and isinstance(self._act, str)):
@@ -307,7 +335,7 @@ class GroupedExperts(nn.Module):
         path = self.resolve_gemm_path(x_ND, counts)
         if counts is None and path != "grouped_mm":   # the other paths size their GEMMs on the host
             counts = self._counts(tokens_per_expert, x_ND)
-        return ExpertsFunction.apply(x_ND, *params, counts, counts_dev, path, self._act, None)
+        return ExpertsFunction.apply(x_ND, *params, counts, counts_dev, path, self._act, None, rebuild)
 
     def _add_bias(self, y_ND: torch.Tensor, b2: torch.Tensor, tokens_per_expert, host_counts) -> torch.Tensor:
         """``y_ND`` plus b2 [S, D] on each block's rows (device counts where given: no host read)."""

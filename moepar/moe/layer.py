@@ -268,6 +268,8 @@ class MoE(nn.Module):
         else:
             args, kw = (x_local, meta.counts_dev), {"host_counts": meta.counts}
         if self.recompute_experts and torch.is_grad_enabled():
+            # The replicas' weight all-to-all runs here, once: the recompute re-runs local work only.
+            kw["copies"] = self.experts.receive_copies(x_local)
             y_local = torch.utils.checkpoint.checkpoint(self.experts, *args, use_reentrant=False, **kw)
         else:
             y_local = self.experts(*args, **kw)

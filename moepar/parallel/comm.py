@@ -451,4 +451,6 @@ def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor's copy on ``device``, queued without blocking the host."""
     if torch.device(device).type == "cpu":
         return host
+    if host.numel() == 0:   # nothing to copy (and an empty tensor cannot be pinned)
+        return torch.empty(host.shape, dtype=host.dtype, device=device)
     return host.pin_memory().to(device, non_blocking=True)

@@ -76,6 +76,11 @@ CASES = [  # world, (tp, ep, etp), variants, forward host reads allowed
     (2, (2, 1, 1), [{}, {"sequence_parallel": True, "num_shared_experts": 1}], 1),
     (4, (2, 2, 1), [{}, {"sequence_parallel": True}, {"num_shared_experts": 1}], 1),
     (4, (1, 4, 1), [{}], 1),
+    # expert replication: the copies' weights travel and return, the routes split among the
+    # copies, all on the device (the index tables cross without blocking, once a placement)
+    (2, (1, 2, 1), [{"redundant_experts": 2}, {"redundant_experts": 2, "dtype": torch.bfloat16},
+                    {"redundant_experts": 2, "recompute_experts": True}], 1),
+    (4, (1, 4, 1), [{"redundant_experts": 4, "num_experts": 8}], 1),
     (4, (1, 2, 2), [{}, {"bias": True}], 1),
     (1, (1, 1, 1), [{"dtype": torch.bfloat16}], 0),   # grouped_mm: the counts stay on the device
     (1, (1, 1, 1), [{}], 1),                          # fp32: the loop path reads the counts once
