@@ -193,38 +193,43 @@ def small_device(group, like: torch.Tensor) -> torch.device:
     return torch.device("cpu") if _is_gloo(group) else like.device
 
 
-def _all_gather_equal(x: torch.Tensor, group, backward: bool, stats: CommStats | None) -> list[torch.Tensor]:
-    """Equal-shape all-gather; bytes = n * x bytes over n ranks. Gloo gets the list form."""
+def _all_gather_flat(x: torch.Tensor, group, backward: bool, stats: CommStats | None) -> torch.Tensor:
+    """Equal-shape all-gather into one buffer [n * rows, ...] (rank i's rows at block i);
+    bytes = n * x bytes over n ranks. NCCL gathers into it directly; gloo's list form writes
+    into views of it. Either way nothing is copied after the collective."""
     size = group_size(group)
     x = x.contiguous()
+    flat = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
     if _is_gloo(group):
-        parts = [torch.empty_like(x) for _ in range(size)]
-        _timed("all_gather", group, size * _nbytes(x), backward,
-               lambda: dist.all_gather(parts, x, group=group), stats)
-        return parts
-    flat = torch.empty((size * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _timed("all_gather", group, _nbytes(flat), backward,
-           lambda: dist.all_gather_into_tensor(flat, x, group=group), stats)
-    return list(flat.chunk(size))
+        parts = list(flat.view((size,) + tuple(x.shape)).unbind(0))
+        _timed("all_gather", group, _nbytes(flat), backward, lambda: dist.all_gather(parts, x, group=group), stats)
+    else:
+        _timed("all_gather", group, _nbytes(flat), backward,
+               lambda: dist.all_gather_into_tensor(flat, x, group=group), stats)
+    return flat
 
 
 def all_gather_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = None,
                     backward: bool = False, stats: CommStats | None = None) -> torch.Tensor:
-    """Concatenate every rank's ``x`` along dim 0; uneven ``sizes`` are padded to the max."""
+    """Concatenate every rank's ``x`` along dim 0; uneven ``sizes`` are padded to the max
+    (and the padding dropped after, the one copy an uneven gather needs)."""
     size = group_size(group)
     if size == 1:
         return x
     if sizes is None or len(set(sizes)) == 1:
-        return torch.cat(_all_gather_equal(x, group, backward, stats), dim=0)
-    padded = x.new_zeros((max(sizes),) + tuple(x.shape[1:]))
+        return _all_gather_flat(x, group, backward, stats)
+    top = max(sizes)
+    padded = x.new_zeros((top,) + tuple(x.shape[1:]))
     padded[: x.shape[0]] = x
-    parts = _all_gather_equal(padded, group, backward, stats)
-    return torch.cat([p[:n] for p, n in zip(parts, sizes)], dim=0)
+    blocks = _all_gather_flat(padded, group, backward, stats).view((size, top) + tuple(x.shape[1:]))
+    return torch.cat([blocks[i, :n] for i, n in enumerate(sizes)], dim=0)
 
 
 def reduce_scatter_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = None,
                         backward: bool = False, stats: CommStats | None = None) -> torch.Tensor:
-    """Sum ``x`` [N, ...] over the group and keep this rank's row block (``sizes`` or N/n over n ranks)."""
+    """Sum ``x`` [N, ...] over the group and keep this rank's row block (``sizes`` or N/n over
+    n ranks). NCCL reduces from one flat buffer (its list form would stage a copy of it);
+    gloo's list form reads views of it. Uneven sizes are padded to the max (one copy)."""
     size = group_size(group)
     if size == 1:
         return x
@@ -233,13 +238,22 @@ def reduce_scatter_rows(x: torch.Tensor, group, sizes: Sequence[int] | None = No
             raise ValueError(f"reduce-scatter of {x.shape[0]} rows is not divisible by group size {size}")
         sizes = [x.shape[0] // size] * size
     top = max(sizes)
-    chunks = list(torch.split(x, list(sizes), dim=0))
+    x = x.contiguous()
     if len(set(sizes)) > 1:
-        chunks = [torch.cat([c, c.new_zeros((top - c.shape[0],) + tuple(c.shape[1:]))]) for c in chunks]
-    chunks = [c.contiguous() for c in chunks]
-    out = torch.empty_like(chunks[0])
-    _timed("reduce_scatter", group, size * _nbytes(out), backward,
-           lambda: dist.reduce_scatter(out, chunks, group=group), stats)
+        flat = x.new_zeros((size * top,) + tuple(x.shape[1:]))
+        at = 0
+        for i, n in enumerate(sizes):
+            flat[i * top:i * top + n] = x[at:at + n]
+            at += n
+        x = flat
+    out = x.new_empty((top,) + tuple(x.shape[1:]))
+    if _is_gloo(group):
+        chunks = list(x.view((size, top) + tuple(x.shape[1:])).unbind(0))
+        _timed("reduce_scatter", group, size * _nbytes(out), backward,
+               lambda: dist.reduce_scatter(out, chunks, group=group), stats)
+    else:
+        _timed("reduce_scatter", group, size * _nbytes(out), backward,
+               lambda: dist.reduce_scatter_tensor(out, x, group=group), stats)
     return out[: sizes[group_rank(group)]]
 
 

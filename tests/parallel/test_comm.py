@@ -151,3 +151,42 @@ def test_peer_wait_timing_splits_the_late_rank_from_the_transfer():
     (first, wait1), (second, wait2) = waited[0][0]
     assert wait1 > 0.4 and first < 0.2 and wait2 < 0.2 and second < 0.2
     assert all(values == [4.0] * 4 for _, values in waited)
+
+
+def _flat_collectives():
+    """On (fake) NCCL: the row gather and reduce-scatter over 2 ranks, equal and uneven
+    sizes: the collectives each uses and the device ops (copies) around them."""
+    from tests.helpers import fake_cuda
+    state = init_parallel(2, 1, verbose=False)
+    out = {}
+    with fake_cuda.session(strict=True) as rec:
+        for name, sizes in (("equal", None), ("uneven", [3, 1])):
+            rows = 3 if sizes is None else sizes[state.rank]
+            x = fake_cuda.to_cuda(torch.arange(rows * 4, dtype=torch.float32).view(rows, 4) + 10 * state.rank)
+            with rec.phase("gather " + name):
+                g = comm.all_gather_rows(x, state.tp_group, sizes)
+            y = fake_cuda.to_cuda(torch.ones(4 if sizes is None else 4, 2) * (state.rank + 1))
+            with rec.phase("scatter " + name):
+                s = comm.reduce_scatter_rows(y, state.tp_group, None if sizes is None else [3, 1])
+            out[name] = {p: ([c.op for c in rec.collectives(p)], sorted(rec.device_ops(p)))
+                         for p in ("gather " + name, "scatter " + name)}
+            out[name]["values"] = (fake_cuda.to_cpu(g).tolist(), fake_cuda.to_cpu(s).tolist())
+    return out
+
+
+def test_row_gather_and_reduce_scatter_copy_nothing_around_the_collective():
+    """NCCL's flat forms, no concatenation after the gather (it used to concatenate the
+    chunks of the buffer it had gathered into: a full copy of every TP/SP/ETP gather) and no
+    list form for the reduce-scatter (NCCL stages a flat copy of it); an uneven gather or
+    reduce-scatter copies once, to drop or add the padding."""
+    for rank, r in enumerate(run_ranks(_flat_collectives, 2, fake_cuda=True)):
+        ops, copies = r["equal"]["gather equal"]
+        assert ops == ["all_gather_into_tensor"] and copies == [], (rank, ops, copies)
+        ops, copies = r["equal"]["scatter equal"]
+        assert ops == ["reduce_scatter_tensor"] and copies == [], (rank, ops, copies)
+        g, s = r["equal"]["values"]
+        assert g == (torch.arange(12.).view(3, 4).tolist() + (torch.arange(12.).view(3, 4) + 10).tolist())
+        assert s == [[3.0, 3.0], [3.0, 3.0]]
+        g, s = r["uneven"]["values"]
+        assert g == torch.arange(12.).view(3, 4).tolist() + [[10.0, 11.0, 12.0, 13.0]]
+        assert s == ([[3.0, 3.0]] * 3 if rank == 0 else [[3.0, 3.0]])
