@@ -25,6 +25,11 @@ the reference (tests compare the bytes):
   result is the same on every backend, and the Triton interpreter's own float8 cast does
   not round to nearest even (it can lose the carry into the exponent).
 
+The receiver's side, ``unpack_dequantize(packed_NV, D, dtype, out=)``: one kernel pass
+from the received bytes to the rows in the compute dtype (q x scale in fp32, rounded once
+to ``dtype``), written into ``out``: no fp32 copy of the received rows (at 64k rows of
+7168 channels that would be 1.8 GB).
+
 ``impl="auto"`` runs the kernel on CUDA and the reference elsewhere; "triton" forces the
 kernel (tests, under ``TRITON_INTERPRET=1``), "reference" forces torch.
 """
@@ -120,6 +125,43 @@ if triton is not None:
             tl.store(at + j, ((bits >> (8 * j)) & 0xFF).to(tl.uint8), mask=row_ok)
 
 
+    @triton.jit
+    def _e4m3_value(b):
+        """fp32 values of float8_e4m3fn codes ``b`` (int32, 0..255): exact."""
+        sign = (b >> 7) & 1
+        e = (b >> 3) & 0xF
+        m = b & 7
+        normal = ((sign << 31) | ((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+        sub = m.to(tl.float32) * 0.001953125 * (1.0 - 2.0 * sign.to(tl.float32))   # m x 2^-9
+        v = tl.where(e == 0, sub, normal)
+        return tl.where((b & 0x7F) == 0x7F, float("nan"), v)
+
+    @triton.jit
+    def _unpack_dequantize_kernel(bytes_ptr, out_ptr, N, D, stride_in, stride_out,
+                                  OUT_BF16: tl.constexpr, BLOCK_N: tl.constexpr, QBLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        block = tl.program_id(1)
+        rows = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_ok = rows < N
+        c = block * QBLOCK + tl.arange(0, QBLOCK)
+        ok = row_ok[:, None] & (c < D)[None, :]
+        b = tl.load(bytes_ptr + rows[:, None] * stride_in + c[None, :], mask=ok, other=0).to(tl.int32)
+        at = bytes_ptr + rows * stride_in + D + 4 * block
+        bits = tl.zeros([BLOCK_N], dtype=tl.int32)
+        for j in tl.static_range(4):   # the block's fp32 scale, little-endian
+            bits = bits | (tl.load(at + j, mask=row_ok, other=0).to(tl.int32) << (8 * j))
+        x = _e4m3_value(b) * bits.to(tl.float32, bitcast=True)[:, None]
+        dst = out_ptr + rows[:, None] * stride_out + c[None, :]
+        if OUT_BF16:   # round to nearest even on the bits (torch's rule; NaN as 0x7FC0)
+            xb = x.to(tl.int32, bitcast=True)
+            mag = xb & 0x7FFFFFFF
+            r = (mag + 0x7FFF + ((mag >> 16) & 1)) >> 16
+            r = tl.where(mag > 0x7F800000, 0x7FC0, r | ((xb >> 16) & 0x8000))
+            tl.store(dst, r.to(tl.int16), mask=ok)
+        else:
+            tl.store(dst, x.to(out_ptr.dtype.element_ty), mask=ok)
+
+
 def quantize_reference(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(q_ND float8_e4m3fn, scale_NQ fp32) by the rule above, in plain torch."""
     N, D = x_ND.shape
@@ -142,6 +184,8 @@ def quantize_reference(x_ND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def pack(q_ND: torch.Tensor, scale_NQ: torch.Tensor) -> torch.Tensor:
     """[N, V] uint8: each row's FP8 values, then its fp32 scales' bytes."""
     N = q_ND.shape[0]
+    if N == 0:   # an empty tensor's strides are arbitrary: viewing it as bytes may fail
+        return torch.empty(0, q_ND.shape[1] + 4 * scale_NQ.shape[1], dtype=torch.uint8, device=q_ND.device)
     return torch.cat([q_ND.contiguous().view(torch.uint8),
                       scale_NQ.contiguous().view(torch.uint8).view(N, -1)], 1)
 
@@ -185,3 +229,52 @@ def permute_quantize(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, *, impl:
     if _use_triton(x_TD, impl):
         return _permute_quantize(x_TD, route_N, int(K))
     return permute_quantize_reference(x_TD, route_N, int(K))
+
+
+def unpack_dequantize_reference(packed_NV: torch.Tensor, D: int, out: torch.Tensor) -> torch.Tensor:
+    """``unpack_dequantize`` in plain torch, a bounded number of rows at a time (its fp32
+    temporaries stay small whatever N is)."""
+    Q = scale_blocks(D)
+    step = max(1, (1 << 16) // max(Q * BLOCK, 1))
+    for r0 in range(0, packed_NV.shape[0], step):
+        part = packed_NV[r0:r0 + step]
+        n = part.shape[0]
+        x = part[:, :D].contiguous().view(FP8).float()
+        scale = part[:, D:].contiguous().view(torch.float32).view(n, Q)
+        if Q * BLOCK != D:
+            x = F.pad(x, (0, Q * BLOCK - D))
+        out[r0:r0 + n] = (x.view(n, Q, BLOCK) * scale[..., None]).view(n, Q * BLOCK)[:, :D]
+    return out
+
+
+def _unpack_dequantize(packed_NV: torch.Tensor, D: int, out: torch.Tensor) -> torch.Tensor:
+    N = packed_NV.shape[0]
+    if N == 0 or D == 0:
+        return out
+    bf16 = out.dtype == torch.bfloat16
+    block_n = _blocks(N, BLOCK)[0]
+    _unpack_dequantize_kernel[(triton.cdiv(N, block_n), scale_blocks(D))](
+        packed_NV, out.view(torch.int16) if bf16 else out, N, D, packed_NV.stride(0), out.stride(0),
+        OUT_BF16=bf16, BLOCK_N=block_n, QBLOCK=BLOCK, num_warps=4)
+    return out
+
+
+def unpack_dequantize(packed_NV: torch.Tensor, D: int, dtype: torch.dtype, *, out: torch.Tensor | None = None,
+                      impl: str = "auto") -> torch.Tensor:
+    """The rows ``pack`` / ``permute_quantize`` sent, q x scale in fp32 rounded once to
+    ``dtype`` ([N, D], written into ``out`` when given: no other [N, D] buffer)."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+    N = packed_NV.shape[0]
+    if packed_NV.dim() != 2 or packed_NV.dtype != torch.uint8 or packed_NV.shape[1] != packed_width(D):
+        raise ValueError(f"packed_NV must be [N, {packed_width(D)}] uint8 for D={D}; got "
+                         f"{packed_NV.dtype} {tuple(packed_NV.shape)}")
+    if out is None:
+        out = torch.empty(N, D, dtype=dtype, device=packed_NV.device)
+    elif out.shape != (N, D) or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be a [{N}, {D}] {dtype} tensor with unit column stride; got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    packed_NV = packed_NV if packed_NV.stride(1) == 1 else packed_NV.contiguous()
+    if _use_triton(packed_NV, impl):
+        return _unpack_dequantize(packed_NV, D, out)
+    return unpack_dequantize_reference(packed_NV, D, out)

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from moepar_kernels.permute import route_index, unpermute
 from moepar_kernels.permute_index import check_permute_args
 from moepar_kernels.permute_fp8 import (BLOCK as KERNEL_BLOCK, E4M3_MAX, FP8, pack, permute_quantize,
-                                        quantize_reference as quantize)
+                                        quantize_reference as quantize, unpack_dequantize)
 
 from ..parallel import comm
 from .traffic import FP8_BLOCK as BLOCK, fp8_row_bytes
@@ -63,11 +63,10 @@ def dequantize(q_ND: torch.Tensor, scale_NQ: torch.Tensor, dtype: torch.dtype) -
     return (x.view(N, Q, BLOCK) * scale_NQ[..., None]).view(N, Q * BLOCK)[:, :D].to(dtype)
 
 
-def unpack(packed: torch.Tensor, D: int, dtype: torch.dtype) -> torch.Tensor:
-    """The rows ``pack`` sent, dequantized to ``dtype``."""
-    q = packed[:, :D].contiguous().view(FP8)
-    scale = packed[:, D:].contiguous().view(torch.float32)
-    return dequantize(q, scale, dtype)
+def unpack(packed: torch.Tensor, D: int, dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The rows ``pack`` sent, dequantized to ``dtype`` (into ``out`` when given), in one
+    pass with no fp32 copy of them (``moepar_kernels.permute_fp8.unpack_dequantize``)."""
+    return unpack_dequantize(packed, D, dtype, out=out)
 
 
 def fake_quantize(x_ND: torch.Tensor) -> torch.Tensor:
@@ -108,7 +107,7 @@ def _start(x, packed, row_map_TK, group, output_split_sizes, input_split_sizes, 
     recv, pending = comm.all_to_all_start(packed, group, out_s, in_s, stats=stats)
     rows = _ReceivedRows.apply(x, row_map_TK, group, out_s, in_s, stats, num_rows)
     D = x.shape[1]
-    pending.then(lambda: rows.copy_(unpack(recv, D, rows.dtype)))
+    pending.then(lambda: unpack(recv, D, rows.dtype, out=rows))
     return rows, pending
 
 

@@ -119,3 +119,44 @@ def test_bad_arguments_name_the_value():
         pq.permute_quantize(x, torch.arange(4).float(), 1)
     with pytest.raises(ValueError, match=r"\[T, D\]"):
         pq.permute_quantize(x[0], torch.arange(4), 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [0, 3])
+def test_no_rows_pack_and_unpack_to_no_rows(T, dtype):
+    """A rank with no routed row (an empty batch, or tokens routed elsewhere): the launcher,
+    the reference, ``pack`` and ``unpack`` all give 0 rows of the right width (``pack`` of 0
+    rows used to raise "stride(-1) must be 1 to view Float as Byte")."""
+    D = 200
+    x = torch.randn(T, D, dtype=dtype)
+    route_N = torch.empty(0, dtype=torch.int64)
+    for impl in ("triton", "reference"):
+        packed = pq.permute_quantize(x, route_N, 2, impl=impl)
+        assert packed.shape == (0, pq.packed_width(D)) and packed.dtype == torch.uint8
+        back = fp8.unpack(packed, D, dtype)
+        assert back.shape == (0, D) and back.dtype == dtype
+    q, scale = fp8.quantize(x[:0])
+    assert fp8.pack(q, scale.expand(0, scale.shape[1])).shape == (0, pq.packed_width(D))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("D", [8, 130, 256])
+def test_unpack_dequantize_kernel_equals_the_reference_and_the_rule(D, dtype):
+    """The receiver's one pass (bytes -> rows in the compute dtype, into ``out``): bitwise the
+    torch reference, which is ``dequantize`` (q x scale in fp32, rounded once), on every
+    e4m3 code, partial blocks, a NaN block and denormal scales."""
+    gen = torch.Generator().manual_seed(D)
+    x = _special_rows(9, D, gen)
+    x[3] = float("nan")
+    packed = pq.permute_quantize(x, torch.arange(x.shape[0]), 1, impl="reference")
+    codes = torch.randint(0, 256, (5, D), generator=gen, dtype=torch.uint8)
+    scales = torch.tensor([2.0 ** -126, 1.0, 3.7e-3, 5.5, 448.0])[:, None].expand(5, pq.scale_blocks(D))
+    packed = torch.cat([packed, pq.pack(codes.view(pq.FP8), scales.contiguous())])
+    want = fp8.dequantize(packed[:, :D].contiguous().view(pq.FP8),
+                          packed[:, D:].contiguous().view(torch.float32), dtype)
+    for impl in ("triton", "reference"):
+        out = torch.full((packed.shape[0], D), 7.0, dtype=dtype)
+        got = pq.unpack_dequantize(packed, D, dtype, out=out, impl=impl)
+        assert got.data_ptr() == out.data_ptr()
+        same = (got == want) | (got.isnan() & want.isnan())
+        assert bool(same.all()), (impl, (got.float() - want.float()).abs().nan_to_num().max())
