@@ -35,19 +35,24 @@ def both(op: Callable, impl: Callable, setup_context: Callable | None = None,
         return call
 
     class Fn(torch.autograd.Function):
+        # The forward takes ctx (no separate setup_context): Function.apply then binds no
+        # default arguments through inspect.signature, Python work on every call.
         @staticmethod
-        def forward(*inputs):
-            return impl(*inputs)
-
-        @staticmethod
-        def setup_context(ctx, inputs, output):
-            ctx.eager = True
-            setup_context(ctx, inputs, output)
+        def forward(ctx, *inputs):
+            output = impl(*inputs)
+            ctx.eager, ctx.num_inputs = True, len(inputs)
+            setup_context(ctx, inputs + defaults[len(inputs) - required:], output)
+            return output
 
         @staticmethod
         def backward(ctx, *grads):
-            return backward(ctx, *grads)
+            return backward(ctx, *grads)[:ctx.num_inputs]   # one per input given (defaults: none)
 
+    # The op's trailing defaults, for a call that leaves them out (setup_context reads all).
+    import inspect
+    params = list(inspect.signature(impl).parameters.values())
+    required = sum(1 for p in params if p.default is inspect.Parameter.empty)
+    defaults = tuple(p.default for p in params[required:])
     Fn.__name__ = Fn.__qualname__ = f"{impl.__name__.strip('_')}_eager"
 
     def call(*args):

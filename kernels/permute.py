@@ -310,22 +310,25 @@ def _combine(src_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optiona
 # ---- custom ops -----------------------------------------------------------------------------
 
 def _permute_impl(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
-                  num_experts: int, capacity: Optional[int], num_rows: Optional[int], impl: str
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  num_experts: int, capacity: Optional[int], num_rows: Optional[int], impl: str,
+                  need_counts: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     K = expert_ids_TK.shape[1]
-    counts_E, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
+    counts_E, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, capacity, num_rows,
+                                                need_counts)
     if _use_triton(x_TD, impl):
         x_ND = _gather(x_TD, route_N, K, x_TD.dtype)
     else:
         x_ND = _gather_reference(x_TD, route_N, K, dense=capacity is None)
-    return x_ND, counts_E, row_map_TK
+    if counts_E is None:   # the caller has them: an empty placeholder (an op output may not alias)
+        counts_E = row_map_TK.new_empty(0)
+    return x_ND, counts_E, row_map_TK, route_N
 
 
 _permute_op = torch.library.custom_op("moepar::permute", mutates_args=())(_permute_impl)
 
 
 @_permute_op.register_fake
-def _(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows, impl):
+def _(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows, impl, need_counts=True):
     T, K = expert_ids_TK.shape
     if capacity is not None:
         n = num_experts * capacity
@@ -335,22 +338,24 @@ def _(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows, impl):
         n = T * K
     else:
         n = torch.library.get_ctx().new_dynamic_size()
-    return (x_TD.new_empty(n, x_TD.shape[1]), x_TD.new_empty(num_experts, dtype=torch.int64),
-            x_TD.new_empty(T, K, dtype=torch.int64))
+    skip = not need_counts and capacity is None and num_rows is not None
+    return (x_TD.new_empty(n, x_TD.shape[1]), x_TD.new_empty(0 if skip else num_experts, dtype=torch.int64),
+            x_TD.new_empty(T, K, dtype=torch.int64), x_TD.new_empty(n, dtype=torch.int64))
 
 
 def _permute_setup(ctx, inputs, output):
     ctx.num_tokens, ctx.impl = inputs[0].shape[0], inputs[6]
-    ctx.save_for_backward(output[2])
+    ctx.save_for_backward(output[2], output[3])
+    ctx.set_materialize_grads(False)
 
 
-def _permute_backward(ctx, grad_x_ND, grad_counts, grad_row_map):
-    (row_map_TK,) = ctx.saved_tensors
+def _permute_backward(ctx, grad_x_ND, grad_counts, grad_row_map, grad_route_N):
+    row_map_TK, route_N = ctx.saved_tensors
     grad_x = None
     if grad_x_ND is not None:
         unpermute = _unpermute_call if getattr(ctx, "eager", False) else _unpermute_op
-        grad_x = unpermute(grad_x_ND, row_map_TK, None, ctx.num_tokens, ctx.impl)
-    return grad_x, None, None, None, None, None, None
+        grad_x = unpermute(grad_x_ND, row_map_TK, None, ctx.num_tokens, ctx.impl, route_N)
+    return grad_x, None, None, None, None, None, None, None
 
 
 _permute_op.register_autograd(_permute_backward, setup_context=_permute_setup)
@@ -358,7 +363,7 @@ _permute_call = both(_permute_op, _permute_impl, _permute_setup, _permute_backwa
 
 
 def _unpermute_impl(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
-                    num_tokens: int, impl: str) -> torch.Tensor:
+                    num_tokens: int, impl: str, route_N: Optional[torch.Tensor] = None) -> torch.Tensor:
     if _use_triton(y_ND, impl):
         return _combine(y_ND, row_map_TK, weights_TK)
     return _combine_reference(y_ND, row_map_TK, weights_TK, num_tokens)
@@ -368,25 +373,25 @@ _unpermute_op = torch.library.custom_op("moepar::unpermute", mutates_args=())(_u
 
 
 @_unpermute_op.register_fake
-def _(y_ND, row_map_TK, weights_TK, num_tokens, impl):
+def _(y_ND, row_map_TK, weights_TK, num_tokens, impl, route_N=None):
     return y_ND.new_empty(num_tokens, y_ND.shape[1])
 
 
 def _unpermute_setup(ctx, inputs, output):
-    y_ND, row_map_TK, weights_TK, num_tokens, impl = inputs
+    y_ND, row_map_TK, weights_TK, num_tokens, impl, route_N = inputs
     ctx.impl, ctx.num_rows, ctx.dtype = impl, y_ND.shape[0], y_ND.dtype
     ctx.has_weights = weights_TK is not None
     need_w = weights_TK is not None and weights_TK.requires_grad
-    ctx.save_for_backward(row_map_TK, weights_TK, y_ND if need_w else None)
+    ctx.save_for_backward(row_map_TK, weights_TK, y_ND if need_w else None, route_N)
 
 
 def _unpermute_backward(ctx, grad_TD):
-    row_map_TK, weights_TK, y_ND = ctx.saved_tensors
+    row_map_TK, weights_TK, y_ND, route_N = ctx.saved_tensors
     backward = _unpermute_bwd_call if getattr(ctx, "eager", False) else _unpermute_bwd_op
     grad_y, grad_w = backward(grad_TD.contiguous(), y_ND, row_map_TK, weights_TK,
-                              ctx.num_rows, ctx.dtype, ctx.impl)
+                              ctx.num_rows, ctx.dtype, ctx.impl, route_N)
     grad_w = grad_w.to(weights_TK.dtype) if (y_ND is not None and ctx.has_weights) else None
-    return grad_y, None, grad_w, None, None
+    return grad_y, None, grad_w, None, None, None
 
 
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
@@ -394,11 +399,13 @@ _unpermute_call = both(_unpermute_op, _unpermute_impl, _unpermute_setup, _unperm
 
 
 def _unpermute_bwd_impl(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], row_map_TK: torch.Tensor,
-                        weights_TK: Optional[torch.Tensor], num_rows: int, dtype: torch.dtype, impl: str
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(grad_y_ND, grad_weights_TK fp32; empty when y_ND is None)."""
+                        weights_TK: Optional[torch.Tensor], num_rows: int, dtype: torch.dtype, impl: str,
+                        route_N: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad_y_ND, grad_weights_TK fp32; empty when y_ND is None). ``route_N``: the permute's
+    own inverse of ``row_map_TK`` where the caller kept it (else rebuilt here)."""
     T, K = row_map_TK.shape
-    route_N = inverse_row_map(row_map_TK, num_rows)
+    if route_N is None:
+        route_N = inverse_row_map(row_map_TK, num_rows)
     if _use_triton(grad_TD, impl):
         grad_w = torch.zeros(T * K, dtype=torch.float32, device=grad_TD.device) if y_ND is not None else None
         scale = weights_TK.reshape(-1).contiguous() if weights_TK is not None else None
@@ -416,7 +423,7 @@ _unpermute_bwd_call = both(_unpermute_bwd_op, _unpermute_bwd_impl)
 
 
 @_unpermute_bwd_op.register_fake
-def _(grad_TD, y_ND, row_map_TK, weights_TK, num_rows, dtype, impl):
+def _(grad_TD, y_ND, row_map_TK, weights_TK, num_rows, dtype, impl, route_N=None):
     T, K = row_map_TK.shape
     gw = grad_TD.new_empty(T, K, dtype=torch.float32) if y_ND is not None else grad_TD.new_empty(0, dtype=torch.float32)
     return grad_TD.new_empty(num_rows, grad_TD.shape[1], dtype=dtype), gw
@@ -443,21 +450,40 @@ def permute(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optiona
     shape under torch.compile) and the caller vouches for what that read would check: ids in
     range, no expert over its capacity. Without it the permute reads the route histogram once.
     """
+    return permute_routes(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity=capacity, num_rows=num_rows,
+                          impl=impl)[:3]
+
+
+def permute_routes(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
+                   num_experts: int, *, capacity: Optional[int] = None, num_rows: Optional[int] = None,
+                   impl: str = "auto", counts_E: Optional[torch.Tensor] = None, want_counts: bool = True,
+                   checked: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """``permute`` and ``route_N`` (the route of each row, -1 padding), which ``unpermute``
+    takes to skip rebuilding it in its backward. Dropless with ``num_rows``, no histogram is
+    made where the caller has the routes per expert (``counts_E``, returned as given) or
+    does not want them (``want_counts=False``: None returned). ``checked``: the caller ran
+    ``check_permute_args`` itself (once, before a collective)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
-    return _permute_call(x_TD, expert_ids_TK, dropped_TK, int(num_experts), capacity, num_rows, impl)
+    if not checked:
+        check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, capacity, num_rows)
+    need = capacity is not None or num_rows is None or (want_counts and counts_E is None)
+    x_ND, counts, row_map_TK, route_N = _permute_call(x_TD, expert_ids_TK, dropped_TK, int(num_experts), capacity,
+                                                      num_rows, impl, need)
+    return x_ND, counts if need else counts_E, row_map_TK, route_N
 
 
 def unpermute(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
-              num_tokens: int, *, impl: str = "auto") -> torch.Tensor:
+              num_tokens: int, *, impl: str = "auto", route_N: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Weighted sum of each token's expert rows: ``y_TD[t] = sum_k w[t,k] * y_ND[row_map[t,k]]``.
 
     fp32 accumulation, result in y_ND's dtype; routes with ``row_map -1`` contribute
     nothing, rows no route maps to (capacity padding) are ignored. ``weights_TK=None``
     means weight 1. Differentiable w.r.t. ``y_ND`` and ``weights_TK`` (grad in its dtype).
+    ``route_N``: the route of each row, as ``permute_routes`` returned it: the backward then
+    needs no inverse of ``row_map_TK``.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
     check_unpermute_args(y_ND, row_map_TK, weights_TK, num_tokens)
-    return _unpermute_call(y_ND, row_map_TK, weights_TK, int(num_tokens), impl)
+    return _unpermute_call(y_ND, row_map_TK, weights_TK, int(num_tokens), impl, route_N)

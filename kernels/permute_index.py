@@ -24,13 +24,15 @@ import torch
 
 
 def route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor], num_experts: int,
-                capacity: Optional[int], num_rows: Optional[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                capacity: Optional[int], num_rows: Optional[int], need_counts: bool = True
+                ) -> tuple[Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
     """(counts_E int64, row_map_TK int64, route_N int64), all on the ids' device.
 
     ``num_rows`` given (the caller knows the kept routes, dropless, or E*C with a capacity):
     nothing is read back to the host, so on CUDA nothing waits; the caller vouches that the
     ids lie in [0, E) and that no expert exceeds the capacity. None: one host read of the
-    histogram counts the kept routes and checks both."""
+    histogram counts the kept routes and checks both. ``need_counts=False`` (dropless with
+    ``num_rows``, the caller has the counts): no histogram, counts_E None."""
     T, K = expert_ids_TK.shape
     R, E = T * K, num_experts
     dev = expert_ids_TK.device
@@ -41,10 +43,12 @@ def route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
     if num_rows is None:
         bad_R = (ids_R < 0) | (ids_R >= E)
         key_R = key_R.masked_fill(bad_R, E + 1)
+    skip = not need_counts and capacity is None and num_rows is not None
     # [E + 2]: kept per expert, dropped, bad. scatter_add, not bincount: bincount reads the
     # input's max back to the host on CUDA.
-    hist = torch.zeros(E + 2, dtype=torch.int64, device=dev).scatter_add_(0, key_R, torch.ones_like(key_R))
-    counts_E = hist[:E]
+    hist = None if skip else torch.zeros(E + 2, dtype=torch.int64, device=dev).scatter_add_(
+        0, key_R, torch.ones_like(key_R))
+    counts_E = None if skip else hist[:E]
     if num_rows is None:
         h = hist.cpu()
         if int(h[E + 1]):

@@ -26,6 +26,7 @@ import torch
 
 from . import interpreter
 from .eager import both
+from .routing_backward import routing_backward, routing_backward_reference  # noqa: F401 (the module's API)
 
 try:
     import triton
@@ -46,14 +47,17 @@ if triton is not None:
     _NORM_EPS_C = tl.constexpr(_NORM_EPS)
 
     @triton.jit
-    def _routing_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, hist_ptr,
-                        T, E, stride_t, scaling,
+    def _routing_kernel(logits_ptr, bias_ptr, ids_ptr, weights_ptr, hist_ptr, stats_ptr,
+                        T, E, stride_t, scaling, aux_scale,
                         K: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        NORMALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        NORMALIZE: tl.constexpr, AUX: tl.constexpr, BLOCK_T: tl.constexpr,
+                        BLOCK_E: tl.constexpr, BLOCK_K: tl.constexpr):
         # SCORE: 0 softmax, 1 sigmoid, 2 softmax_after_topk. Each program walks row blocks
-        # pid, pid + nprog, ... and keeps its own expert histogram, written once at the end
-        # into hist_ptr[pid, :E] (no atomics: summed by the launcher, deterministic).
+        # pid, pid + nprog, ... and keeps its own expert histogram and count of rows with a
+        # non-finite logit, written once at the end into hist_ptr[pid, :E + 1] (no atomics:
+        # summed by the launcher, deterministic). AUX: also each expert's summed score (the
+        # load-balancing loss's P, a per-token distribution: sigmoid scores renormalised)
+        # and aux_scale x its route count, into stats_ptr[pid, :2E].
         pid = tl.program_id(0)
         nprog = tl.num_programs(0)
         cols = tl.arange(0, BLOCK_E)
@@ -63,6 +67,9 @@ if triton is not None:
         if HAS_BIAS:
             bias_E = tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
         hist_E = tl.zeros([BLOCK_E], dtype=tl.int32)
+        n_bad = tl.zeros([BLOCK_T], dtype=tl.int32)
+        if AUX:
+            p_sum_E = tl.zeros([BLOCK_E], dtype=tl.float32)
         nblocks = tl.cdiv(T, BLOCK_T)
         for blk in range(pid, nblocks, nprog):
             rows = blk * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -75,10 +82,19 @@ if triton is not None:
             # Bad rows become all-zero logits: every key ties, so they pick experts 0..K-1.
             x = tl.where(bad_T[:, None], 0.0, x)
             x = tl.where(col_ok[None, :], x, float("-inf"))
-            if SCORE == 0:
+            n_bad += (bad_T & row_ok).to(tl.int32)
+            if SCORE == 0 or (AUX and SCORE == 2):
                 row_max = tl.max(x, axis=1)
                 ex = tl.exp(x - row_max[:, None])       # padding columns: exp(-inf) = 0
                 row_sum = tl.sum(ex, axis=1)
+            if AUX:   # bad rows make the loss NaN (as their scores would); padding rows add 0
+                if SCORE == 1:
+                    sg = tl.sigmoid(x)                  # padding columns: sigmoid(-inf) = 0
+                    p = sg / (tl.sum(sg, axis=1)[:, None] + _NORM_EPS_C)
+                else:
+                    p = ex / row_sum[:, None]
+                p = tl.where(bad_T[:, None], float("nan"), p)
+                p_sum_E += tl.sum(tl.where(row_ok[:, None], p, 0.0), axis=0)
             if HAS_BIAS:
                 if SCORE == 0:
                     key = ex / row_sum[:, None] + bias_E[None, :]
@@ -127,7 +143,12 @@ if triton is not None:
             omask = row_ok[:, None] & k_ok[None, :]
             tl.store(ids_ptr + out, ids_TK.to(tl.int64), mask=omask)
             tl.store(weights_ptr + out, w, mask=omask)
-        tl.store(hist_ptr + pid.to(tl.int64) * E + cols, hist_E, mask=col_ok)
+        tl.store(hist_ptr + pid.to(tl.int64) * (E + 1) + cols, hist_E, mask=col_ok)
+        tl.store(hist_ptr + pid.to(tl.int64) * (E + 1) + E, tl.sum(n_bad, axis=0))
+        if AUX:
+            tl.store(stats_ptr + pid.to(tl.int64) * (2 * E) + cols, p_sum_E, mask=col_ok)
+            tl.store(stats_ptr + pid.to(tl.int64) * (2 * E) + E + cols, hist_E.to(tl.float32) * aux_scale,
+                     mask=col_ok)
 
 
 def _next_pow2(n: int) -> int:
@@ -166,14 +187,16 @@ def _block_t(E: int) -> int:
 
 
 def _launch(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
-            normalize: bool, scaling_factor: float, block_t: int, num_warps: int
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            normalize: bool, scaling_factor: float, aux_scale: float, block_t: int, num_warps: int
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     T, E = logits_TE.shape
     dev = logits_TE.device
+    aux = aux_scale != 0.0
     ids_TK = torch.empty((T, k), dtype=torch.int64, device=dev)
     weights_TK = torch.empty((T, k), dtype=torch.float32, device=dev)
-    if T == 0:
-        return ids_TK, weights_TK, torch.zeros(E, dtype=torch.int64, device=dev)
+    if T == 0:   # no token: no route, no bad row, a loss of 0
+        return (ids_TK, weights_TK, torch.zeros(E + 1, dtype=torch.int64, device=dev),
+                torch.zeros((), device=dev) if aux else weights_TK.new_empty(0), weights_TK.new_empty(0))
     logits_TE = logits_TE if logits_TE.stride(1) == 1 else logits_TE.contiguous()
     bias = expert_bias_E.contiguous() if expert_bias_E is not None else logits_TE  # dummy ptr
     block_t = block_t if block_t > 0 else _block_t(E)
@@ -184,70 +207,74 @@ def _launch(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Opt
         grid = min(nblocks, 8 * sms)
     else:
         grid = min(nblocks, 4)   # interpreter: a few programs still exercise the block loop
-    hist_per_program = torch.empty((grid, E), dtype=torch.int32, device=dev)
+    hist_per_program = torch.empty((grid, E + 1), dtype=torch.int32, device=dev)
+    stats_per_program = torch.empty((grid, 2 * E) if aux else (0,), dtype=torch.float32, device=dev)
     _routing_kernel[(grid,)](
-        logits_TE, bias, ids_TK, weights_TK, hist_per_program, T, E, logits_TE.stride(0), float(scaling_factor),
+        logits_TE, bias, ids_TK, weights_TK, hist_per_program, stats_per_program, T, E, logits_TE.stride(0),
+        float(scaling_factor), float(aux_scale),
         K=k, SCORE=SCORE_FUNCS.index(score_func), HAS_BIAS=expert_bias_E is not None,
-        NORMALIZE=bool(normalize), BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(k),
+        NORMALIZE=bool(normalize), AUX=aux, BLOCK_T=block_t, BLOCK_E=block_e, BLOCK_K=_next_pow2(k),
         num_warps=num_warps if num_warps > 0 else 4)   # untuned default: see the bench's --tune
-    return ids_TK, weights_TK, hist_per_program.sum(0, dtype=torch.int64)
+    counts = hist_per_program.sum(0, dtype=torch.int64)
+    if not aux:
+        return ids_TK, weights_TK, counts, weights_TK.new_empty(0), weights_TK.new_empty(0)
+    stats = stats_per_program.sum(0)   # [P_E summed over tokens, aux_scale x routes_E]
+    return ids_TK, weights_TK, counts, torch.dot(stats[:E], stats[E:]), stats
 
 
 def _routing_impl(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
-                  normalize: bool, scaling_factor: float, block_t: int, num_warps: int
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _launch(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, block_t, num_warps)
+                  normalize: bool, scaling_factor: float, aux_scale: float, block_t: int, num_warps: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _launch(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, aux_scale, block_t,
+                   num_warps)
 
 
 _routing_op = torch.library.custom_op("moepar::routing", mutates_args=())(_routing_impl)
 
 
 @_routing_op.register_fake
-def _(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, block_t, num_warps):
+def _(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, aux_scale, block_t, num_warps):
     T, E = logits_TE.shape
+    aux = aux_scale != 0.0
     return (logits_TE.new_empty((T, k), dtype=torch.int64), logits_TE.new_empty((T, k), dtype=torch.float32),
-            logits_TE.new_empty((E,), dtype=torch.int64))
+            logits_TE.new_empty((E + 1,), dtype=torch.int64),
+            logits_TE.new_empty(() if aux else (0,), dtype=torch.float32),
+            logits_TE.new_empty((2 * E if aux and T else 0,), dtype=torch.float32))
 
 
 def _setup_context(ctx, inputs, output):
-    logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, block_t, num_warps = inputs
-    ctx.save_for_backward(logits_TE, output[0])
+    logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor, aux_scale, block_t, num_warps = inputs
+    ctx.save_for_backward(logits_TE, output[0], output[4] if output[4].numel() else None)
     ctx.score_func, ctx.normalize, ctx.scaling = score_func, normalize, scaling_factor
+    ctx.mark_non_differentiable(output[0], output[2], output[4])
+    ctx.set_materialize_grads(False)   # unused outputs' gradients stay None: no zeros made
 
 
-def _backward(ctx, grad_ids, grad_weights_TK, grad_hist):
-    logits_TE, ids_TK = ctx.saved_tensors
-    if grad_weights_TK is None:
-        return None, None, None, None, None, None, None, None
-    grad = routing_backward(logits_TE, ids_TK, grad_weights_TK, ctx.score_func, ctx.normalize, ctx.scaling)
-    return grad, None, None, None, None, None, None, None
+def _backward(ctx, grad_ids, grad_weights_TK, grad_counts, grad_aux, grad_stats):
+    logits_TE, ids_TK, stats = ctx.saved_tensors
+    aux_grad_E = None
+    if grad_aux is not None and stats is not None:
+        # d loss / d P_e: aux = P . (aux_scale x routes), so the scaled routes times its gradient
+        aux_grad_E = stats[stats.shape[0] // 2:] * grad_aux
+    if grad_weights_TK is None and aux_grad_E is None:
+        return None, None, None, None, None, None, None, None, None
+    grad = routing_backward(logits_TE, ids_TK, grad_weights_TK, ctx.score_func, ctx.normalize, ctx.scaling,
+                            aux_grad_E)
+    return grad, None, None, None, None, None, None, None, None
 
 
 _routing_op.register_autograd(_backward, setup_context=_setup_context)
 _routing_call = both(_routing_op, _routing_impl, _setup_context, _backward)
 
 
-def routing_backward(logits_TE: torch.Tensor, ids_TK: torch.Tensor, grad_weights_TK: torch.Tensor,
-                     score_func: str, normalize: bool, scaling_factor: float) -> torch.Tensor:
-    """Gradient of the routing weights w.r.t. the logits, in torch: the k selected
-    weights are a function of the whole row (softmax) or of their own logit (sigmoid)."""
-    x = logits_TE.float()
-    gw = grad_weights_TK.float() * scaling_factor
-    if score_func == "softmax_after_topk":
-        p = torch.softmax(x.gather(1, ids_TK), dim=-1)
-        g_sel = p * (gw - (gw * p).sum(-1, keepdim=True))
-        return torch.zeros_like(x).scatter(1, ids_TK, g_sel).to(logits_TE.dtype)
-    s = torch.softmax(x, dim=-1) if score_func == "softmax" else torch.sigmoid(x)
-    sel = s.gather(1, ids_TK)
-    if normalize:   # w_j = sel_j / S:  dL/dsel_i = (g_i - sum_j g_j sel_j / S) / S
-        denom = sel.sum(-1, keepdim=True) + _NORM_EPS
-        gw = (gw - (gw * sel).sum(-1, keepdim=True) / denom) / denom
-    g_s = torch.zeros_like(s).scatter(1, ids_TK, gw)
-    if score_func == "softmax":
-        g_x = s * (g_s - (g_s * s).sum(-1, keepdim=True))
-    else:
-        g_x = g_s * s * (1 - s)
-    return g_x.to(logits_TE.dtype)
+def _check_launch(block_t: int | None, num_warps: int | None) -> None:
+    if triton is None:
+        raise ValueError("the routing kernel needs triton; use routing_reference instead")
+    interpreter.check()
+    if block_t is not None and (block_t < 1 or block_t & (block_t - 1)):
+        raise ValueError(f"block_t={block_t} must be a positive power of two")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
+        raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16")
 
 
 def routing(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
@@ -259,23 +286,35 @@ def routing(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
     Returns ``(expert_ids_TK int64, weights_TK fp32, tokens_per_expert_E int64)``;
     differentiable w.r.t. ``logits_TE`` through the weights (``moepar::routing`` custom
     op, traceable by ``torch.compile``). ``block_t`` (rows per tile) and ``num_warps``
-    override the launch heuristics (tuning only).
+    override the launch heuristics (tuning only). ``routing_full`` also returns the rows
+    with a non-finite logit and the load-balancing loss.
     """
-    if triton is None:
-        raise ValueError("the routing kernel needs triton; use routing_reference instead")
     _check(logits_TE, k, score_func, expert_bias_E, MAX_EXPERTS, MAX_K)
     if logits_TE.device.type != "cuda" and not interpreter.active():
         raise ValueError(f"the routing kernel needs CUDA tensors (got {logits_TE.device}) "
                          f"or TRITON_INTERPRET=1 set before import; use routing_reference")
-    interpreter.check()
-    if block_t is not None and (block_t < 1 or block_t & (block_t - 1)):
-        raise ValueError(f"block_t={block_t} must be a positive power of two")
-    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16):
-        raise ValueError(f"num_warps={num_warps} must be one of 1, 2, 4, 8, 16")
+    _check_launch(block_t, num_warps)
     if expert_bias_E is not None:
         expert_bias_E = expert_bias_E.float()
-    return _routing_call(logits_TE, k, score_func, expert_bias_E, bool(normalize), float(scaling_factor),
-                         int(block_t or 0), int(num_warps or 0))
+    ids, w, counts, _, _ = _routing_call(logits_TE, k, score_func, expert_bias_E, bool(normalize),
+                                         float(scaling_factor), 0.0, int(block_t or 0), int(num_warps or 0))
+    return ids, w, counts[:-1]
+
+
+def routing_full(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
+                 normalize: bool, scaling_factor: float, aux_scale: float = 0.0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """``routing`` and its statistics in the same launch: ``(expert_ids_TK, weights_TK,
+    tokens_per_expert_E, nonfinite_rows, aux)`` with ``nonfinite_rows`` the count of rows
+    holding a NaN or an infinity (a 0-dim int64 on the device) and, for ``aux_scale`` != 0,
+    ``aux = sum_e P_e x aux_scale x routes_e`` (``P_e`` the scores summed over the tokens,
+    sigmoid scores renormalised per token; the Switch load-balancing loss for
+    ``aux_scale = coeff x E / (K x T^2)``), differentiable w.r.t. the logits; else None.
+    For callers that validated their arguments once (the router): nothing is checked here
+    (``routing`` checks every call)."""
+    ids, w, counts, aux, _ = _routing_call(logits_TE, k, score_func, expert_bias_E, normalize, scaling_factor,
+                                           aux_scale, 0, 0)
+    return ids, w, counts[:-1], counts[-1], (aux if aux_scale != 0.0 else None)
 
 
 def _scores(x_TE: torch.Tensor, score_func: str) -> torch.Tensor:

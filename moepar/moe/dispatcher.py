@@ -108,7 +108,7 @@ class Dispatcher:
     def dispatch(self, x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None,
                  weights_TK: torch.Tensor, capacity: int | None = None, *, during=None,
                  flags: dict | None = None, error: str | None = None, trusted: bool = False,
-                 tokens: int | None = None) -> Dispatched:
+                 tokens: int | None = None, counts_E: torch.Tensor | None = None) -> Dispatched:
         """Rows for this rank's local experts, expert-major (or source-major where the form
         says so), and the metadata to ``combine`` them.
 
@@ -123,7 +123,8 @@ class Dispatcher:
         rank of the block raises, this one with ``error``, after the counts exchange.
         ``trusted``: the ids come from a router (in range): a rank alone then reads nothing.
         ``tokens``: this rank's token count as ``during`` sees it (default: x_TD's rows; the
-        layer's differ when every route travels as its own row).
+        layer's differ when every route travels as its own row). ``counts_E``: the kept routes
+        per expert where the caller has them (the router's histogram; saves making it again).
         """
         problem = _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, self.num_experts, capacity)
         padded = self.config.router.pad_to_capacity
@@ -139,7 +140,7 @@ class Dispatcher:
             _check_alone(flags, call, self.num_experts)
             return Dispatched(*FORMS["padded"].dispatch(call, x_TD, expert_ids_TK, dropped_TK, weights_TK,
                                                         capacity, during))
-        routes = self._tp_share(call, x_TD, expert_ids_TK, dropped_TK, weights_TK)       # 2
+        routes = self._tp_share(call, x_TD, expert_ids_TK, dropped_TK, weights_TK, counts_E)   # 2
         if call.topo.block_size == 1:
             _check_alone(flags, call, self.num_experts)
             return Dispatched(*FORMS["rows"].dispatch(call, routes, None, during, trusted))
@@ -147,14 +148,14 @@ class Dispatcher:
         routes = self._apply_guard(routes, plan)
         return Dispatched(*FORMS[plan.form].dispatch(call, routes, plan, during))        # 4-7
 
-    def _tp_share(self, call: Call, x_TD, expert_ids_TK, dropped_TK, weights_TK) -> Routes:
+    def _tp_share(self, call: Call, x_TD, expert_ids_TK, dropped_TK, weights_TK, counts_E=None) -> Routes:
         """Step 2. Inside a TP group the tokens are replicated: each TP rank dispatches its
         near-even share (DeepSpeed's parallelism-coordinated dispatch); the slices are
         differentiable (their backward all-gathers, T*D*b and T*K*4 bytes)."""
         group, tp = call.topo.tp_group, call.topo.tp
         if tp == 1:
             return Routes(x_TD=x_TD, expert_ids_TK=expert_ids_TK, dropped_TK=dropped_TK, weights_TK=weights_TK,
-                          token_sizes=None)
+                          token_sizes=None, counts_E=counts_E)
         sizes = tuple(comm.split_sizes(x_TD.shape[0], tp))
         rank = comm.group_rank(group)
         lo = sum(sizes[:rank])

@@ -32,7 +32,7 @@ from typing import Callable
 
 import torch
 
-from moepar_kernels.permute import permute, unpermute
+from moepar_kernels.permute import permute_routes, unpermute
 
 from ..parallel import comm, regions
 from ..parallel.groups import MoeTopology as Topology
@@ -67,6 +67,7 @@ class Routes:
     dropped_TK: torch.Tensor | None
     weights_TK: torch.Tensor
     token_sizes: tuple[int, ...] | None
+    counts_E: torch.Tensor | None = None   # routes per expert where the caller had them (the router's)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,6 +106,7 @@ class Meta:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class RowsMeta(Meta):
     row_map_TK: torch.Tensor             # [T, K] row of each route in the sent rows, -1 dropped
+    route_N: torch.Tensor | None         # its inverse, the route of each sent row (the permute's)
     weights_TK: torch.Tensor             # [T, K] combine weights (in the graph)
     send: tuple[int, ...]
     recv: tuple[int, ...]
@@ -116,6 +118,7 @@ class RowsMeta(Meta):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SourceMajorMeta(Meta):
     row_map_TK: torch.Tensor
+    route_N: torch.Tensor | None
     weights_TK: torch.Tensor
     send: tuple[int, ...]
     recv: tuple[int, ...]
@@ -169,12 +172,13 @@ def start_rows(call: Call, x: torch.Tensor, recv, send):
 def _send_routes(call: Call, r: "Routes", plan: Plan):
     """Steps 4-5 for one row per route: permute the routes expert-major and start their
     all-to-all; with FP8 dispatch the permute quantizes in the same pass. Returns
-    (rows in flight, pending, row_map_TK)."""
+    (rows in flight, pending, row_map_TK, route_N)."""
     if call.fp8 and call.topo.ep > 1:
         return fp8.permute_all_to_all_start(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
                                             sum(plan.send), call.topo.ep_group, plan.recv, plan.send, call.stats)
-    x_ND, _, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts, num_rows=sum(plan.send))
-    return (*start_rows(call, x_ND, plan.recv, plan.send), row_map_TK)
+    x_ND, _, row_map_TK, route_N = permute_routes(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
+                                                  num_rows=sum(plan.send), want_counts=False, checked=True)
+    return (*start_rows(call, x_ND, plan.recv, plan.send), row_map_TK, route_N)
 
 
 def combine_rows(call: Call, y: torch.Tensor, send, recv) -> torch.Tensor:
@@ -235,21 +239,23 @@ class RouteRows:
         if plan is None:   # this rank alone (no exchange): the permute's own counts
             free = r.x_TD.device.type == "cpu" and not torch.compiler.is_compiling()   # a read costs nothing
             n, host = _alone_rows(r, call.num_experts, trusted, free)
-            x_ND, counts_E, row_map_TK = permute(r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts,
-                                                 num_rows=n)
+            x_ND, counts_E, row_map_TK, route_N = permute_routes(
+                r.x_TD, r.expert_ids_TK, r.dropped_TK, call.num_experts, num_rows=n,
+                counts_E=r.counts_E, checked=True)
             extra = run_during(during, None)
             host = tuple(counts_E.tolist()) if free else host
             M = x_ND.shape[0]
             load_PE = counts_E.view(1, -1)   # one rank: its load (read only if a user asks for figures)
             return x_ND, RowsMeta(form="direct", num_tokens=r.x_TD.shape[0], counts=host, counts_dev=counts_E,
-                                  load=GroupLoad(load_PE, load_PE, None, 0), tp_tokens=None, row_map_TK=row_map_TK, weights_TK=r.weights_TK,
+                                  load=GroupLoad(load_PE, load_PE, None, 0), tp_tokens=None, row_map_TK=row_map_TK,
+                                  route_N=route_N, weights_TK=r.weights_TK,
                                   send=(M,), recv=(M,), etp_sizes=None, regroup=None,
                                   token_sizes=r.token_sizes), extra
-        x_recv, pending, row_map_TK = _send_routes(call, r, plan)
+        x_recv, pending, row_map_TK, route_N = _send_routes(call, r, plan)
         extra = run_during(during, plan.tp_tokens)
         x_recv = gather_etp(call, comm.wait_for(x_recv, pending), plan.etp_sizes)
         x_local, regroup = self._expert_major(x_recv, plan)
-        return x_local, self._meta(call, r, plan, row_map_TK, regroup), extra
+        return x_local, self._meta(call, r, plan, row_map_TK, route_N, regroup), extra
 
     @staticmethod
     def _expert_major(x_recv: torch.Tensor, plan: Plan):
@@ -262,10 +268,10 @@ class RouteRows:
         return PermuteRows.apply(x_recv, *regroup), regroup
 
     @staticmethod
-    def _meta(call, r: Routes, plan: Plan, row_map_TK, regroup) -> RowsMeta:
+    def _meta(call, r: Routes, plan: Plan, row_map_TK, route_N, regroup) -> RowsMeta:
         return RowsMeta(form="regroup" if regroup is not None else "direct", num_tokens=r.x_TD.shape[0],
                         counts=tuple(plan.counts_SL.sum(0).tolist()), counts_dev=plan.counts_SL_dev.sum(0),
-                        load=plan.load, tp_tokens=plan.tp_tokens, row_map_TK=row_map_TK,
+                        load=plan.load, tp_tokens=plan.tp_tokens, row_map_TK=row_map_TK, route_N=route_N,
                         weights_TK=r.weights_TK, send=plan.send, recv=plan.recv, etp_sizes=plan.etp_sizes,
                         regroup=regroup, token_sizes=r.token_sizes)
 
@@ -274,7 +280,7 @@ class RouteRows:
             idx, inv = meta.regroup
             y = PermuteRows.apply(y, inv, idx)
         y = return_rows(call, y, meta.etp_sizes, meta.send, meta.recv)
-        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0])
+        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0], route_N=meta.route_N)
         return tokens_back(call, y, meta.token_sizes)
 
 
@@ -284,17 +290,17 @@ class SourceMajorRows(RouteRows):
 
     def dispatch(self, call: Call, routes: Routes, plan: Plan, during: During = None, trusted: bool = False):
         r = routes
-        x_recv, pending, row_map_TK = _send_routes(call, r, plan)
+        x_recv, pending, row_map_TK, route_N = _send_routes(call, r, plan)
         extra = run_during(during, plan.tp_tokens)
         x_recv = comm.wait_for(x_recv, pending)
         meta = SourceMajorMeta(form="source_major", num_tokens=r.x_TD.shape[0],
                                counts=tuple(plan.counts_SL.sum(0).tolist()), counts_dev=plan.counts_SL_dev.sum(0),
-                               load=plan.load, tp_tokens=plan.tp_tokens, row_map_TK=row_map_TK,
+                               load=plan.load, tp_tokens=plan.tp_tokens, row_map_TK=row_map_TK, route_N=route_N,
                                weights_TK=r.weights_TK, send=plan.send, recv=plan.recv,
                                token_sizes=r.token_sizes, segments=cpu.source_major_segments(plan.counts_SL))
         return x_recv, meta, extra
 
     def combine(self, call: Call, y: torch.Tensor, meta: SourceMajorMeta) -> torch.Tensor:
         y = combine_rows(call, y, meta.send, meta.recv)
-        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0])
+        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0], route_N=meta.route_N)
         return tokens_back(call, y, meta.token_sizes)

@@ -325,7 +325,7 @@ class _GroupedMMGemm(LoopGemm):
         if counts_dev is None:
             counts_dev = to_device(torch.tensor(list(counts), dtype=torch.int64), device)
         self.counts_dev = counts_dev.to(device=device, dtype=torch.int64)
-        self.offs = torch.cumsum(self.counts_dev, 0).to(torch.int32)
+        self.offs = torch.cumsum(self.counts_dev, 0, dtype=torch.int32)   # one op, not a sum and a cast
         self._expert_of_row = None
 
     def _row_experts(self) -> torch.Tensor:

@@ -129,13 +129,13 @@ def permute_all_to_all_start(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dr
     """The row-per-route dispatch with FP8 rows: ``permute`` and ``all_to_all_start`` in one,
     the quantization fused into the permute (``moepar_kernels.permute_fp8``). Returns the
     received rows (dequantized once ``pending`` is waited on; differentiable w.r.t. ``x_TD``),
-    the pending exchange and ``row_map_TK``. ``num_rows``: the kept routes (the dispatcher
+    the pending exchange, ``row_map_TK`` and its inverse ``route_N``. ``num_rows``: the kept routes (the dispatcher
     knows them from its counts exchange; no host read). The group has more than one rank."""
     check_permute_args(x_TD, expert_ids_TK, dropped_TK, num_experts, None, num_rows)
-    _, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, None, num_rows)
+    _, row_map_TK, route_N = route_index(expert_ids_TK, dropped_TK, num_experts, None, num_rows, False)
     packed_NV = permute_quantize(x_TD, route_N, expert_ids_TK.shape[1])
     rows, pending = _start(x_TD, packed_NV, row_map_TK, group, output_split_sizes, input_split_sizes, stats)
-    return rows, pending, row_map_TK
+    return rows, pending, row_map_TK, route_N
 
 
 class _FP8GradAllToAll(torch.autograd.Function):

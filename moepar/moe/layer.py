@@ -194,7 +194,8 @@ class MoE(nn.Module):
                                                    self._stats.comm)
         x_local, meta, shared_TD = self.dispatcher.dispatch(                              # 2-7. exchange
             x_rows, ids, dropped, w, routing.capacity if self.pad_to_capacity else None, during=during,
-            flags=flags, error=error, trusted=True, tokens=x_TD.shape[0])
+            flags=flags, error=error, trusted=True, tokens=x_TD.shape[0],
+            counts_E=routing.tokens_per_expert if self.replicas is None else None)
         y_local = self._run_experts(x_local, meta)                                         # 8. experts
         y_TD = self.dispatcher.combine(y_local, meta)                                      # 9-11. back
         if self.config.hf.score_before_experts:   # each token's K route rows summed: [T, D]
@@ -221,7 +222,7 @@ class MoE(nn.Module):
             cell = replayed.cell if replayed is not None and replayed.cell is not None else LossCell()
         noise = routing.noise_rng if routing.noise_rng is not None or replayed is None else replayed.noise_rng
         key = self._replay.fingerprint(x_TD) if not graph or routing.weights.requires_grad else None
-        record = Record(x_TD.shape[0], routing.expert_ids, routing.dropped, noise, cell, key)
+        record = Record(x_TD.shape[0], routing.expert_ids, routing.dropped_TK, noise, cell, key)
         if not recompute:
             self._loss_cell = cell
         return dataclasses.replace(routing, weights=self._replay.keep(scope, record, routing.weights))
@@ -253,7 +254,7 @@ class MoE(nn.Module):
         dev = x_TD.device.type
         if torch.is_autocast_enabled(dev) and torch.get_autocast_dtype(dev) != x_TD.dtype:
             x_TD = x_TD.to(torch.get_autocast_dtype(dev))
-        dropped = routing.dropped if routing.capacity is not None else None
+        dropped = routing.dropped_TK
         if not self.config.hf.score_before_experts:
             return x_TD, routing.expert_ids, dropped, routing.weights
         return routes_as_rows(x_TD, routing.expert_ids, routing.weights, dropped)
@@ -281,7 +282,10 @@ class MoE(nn.Module):
         self._losses = {"aux": aux, "z": z}
         self._stats.tokens_per_expert = routing.tokens_per_expert.detach()
         self._stats.routes = routing.expert_ids.numel()
-        self._stats.capacity_dropped = routing.dropped.sum().detach()
+        dropped_TK = routing.dropped_TK   # None when dropless: a zero made once, no op
+        self._stats.capacity_dropped = (self.router._zero(dropped_TK.device if dropped_TK is not None else
+                                                          routing.weights.device, torch.int64)
+                                        if dropped_TK is None else dropped_TK.sum().detach())
         self._stats.load = meta.load
         self._stats.exchange_form = meta.form
         guard = 0 if meta.load is None or meta.load.cap is None else meta.load.guard_dropped   # cap: a guard ran

@@ -114,7 +114,8 @@ class Record:
 
     def __init__(self, tokens: int, ids_TK, dropped_TK, noise_rng=None, cell: LossCell | None = None,
                  key_T: torch.Tensor | None = None):
-        self.tokens, self.ids_TK, self.dropped_TK = tokens, ids_TK.detach(), dropped_TK.detach()
+        self.tokens, self.ids_TK = tokens, ids_TK.detach()
+        self.dropped_TK = None if dropped_TK is None else dropped_TK.detach()
         self.noise_rng, self.cell, self.key_T = noise_rng, cell, key_T
 
 
@@ -226,7 +227,8 @@ class Replay:
         if any(r.noise_rng is not None or r.cell is not None for r in found):
             return found[int(best_1)]
         ids_TK = torch.stack([r.ids_TK for r in found]).index_select(0, best_1)[0]
-        dropped_TK = torch.stack([r.dropped_TK for r in found]).index_select(0, best_1)[0]
+        dropped_TK = (None if found[0].dropped_TK is None
+                      else torch.stack([r.dropped_TK for r in found]).index_select(0, best_1)[0])
         return Record(found[0].tokens, ids_TK, dropped_TK)
 
 

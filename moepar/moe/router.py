@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from fractions import Fraction
 from typing import Optional
@@ -37,11 +38,11 @@ class Routing:
     """One routing decision for T tokens (see the module legend)."""
     expert_ids: torch.Tensor          # [T, K] int64, each row K distinct valid ids in [0, E)
     weights: torch.Tensor             # [T, K] fp32 combine weights, 0.0 where dropped; differentiable
-    dropped: torch.Tensor             # [T, K] bool
+    dropped_TK: Optional[torch.Tensor]   # [T, K] bool, None when dropless (``dropped`` makes it)
     tokens_per_expert: torch.Tensor   # [E] int64, kept routes per expert (after drops)
     aux_loss: torch.Tensor            # scalar fp32 in the graph, already x aux_loss_coeff (0 if off)
     z_loss: torch.Tensor              # scalar fp32 in the graph, already x z_loss_coeff
-    scores: torch.Tensor              # [T, E] fp32 raw scores (softmax or sigmoid of logits, no bias)
+    logits: torch.Tensor              # [T, E] fp32 logits (``scores`` applies the score function)
     capacity: Optional[int]           # per-expert capacity used, None when dropless
     # nonfinite="raise" with the check deferred to the caller (``defer_checks``): the number
     # of tokens with non-finite logits, a device scalar the caller raises on; else None.
@@ -49,6 +50,20 @@ class Routing:
     # The generator state the noisy gate drew from (training with a noisy_gate_policy), kept
     # so that a recompute redraws the same noise (moepar.moe.recompute); else None.
     noise_rng: Optional[torch.Tensor] = None
+    score_func: str = "softmax"
+
+    @functools.cached_property
+    def dropped(self) -> torch.Tensor:
+        """[T, K] bool: the routes dropped over capacity (all False when dropless; made on
+        first use, so that a dropless forward issues no op for it)."""
+        if self.dropped_TK is not None:
+            return self.dropped_TK
+        return torch.zeros_like(self.expert_ids, dtype=torch.bool)
+
+    @functools.cached_property
+    def scores(self) -> torch.Tensor:
+        """[T, E] fp32 raw scores: softmax or sigmoid of the logits, no bias (made on first use)."""
+        return torch.sigmoid(self.logits) if self.score_func == "sigmoid" else torch.softmax(self.logits, -1)
 
 
 def normalizes(cfg: RouterConfig) -> bool:
@@ -135,6 +150,7 @@ class TopKRouter(nn.Module):
                 raise ValueError(f"TopKRouter(hidden={hidden!r}) needs num_experts (or pass a RouterConfig)")
             cfg = RouterConfig(hidden, num_experts, k, **options)
         self.config = cfg
+        self._zeros: dict = {}
         # Why the Triton kernel cannot route this config, in eval and in training ("": it can),
         # decided once: the forward only looks it up.
         self._kernel_gaps = (cfg.kernel_gap(training=False), cfg.kernel_gap(training=True))
@@ -233,43 +249,64 @@ class TopKRouter(nn.Module):
                comm_stats=None) -> Routing:
         cfg = self.config
         T, E = logits_TE.shape
-        bad_T = _rk.nonfinite_rows(logits_TE)
-        nonfinite = bad_T.sum() if cfg.nonfinite == "raise" and defer_checks else None
-        if cfg.nonfinite == "raise" and not defer_checks and bool(bad_T.any()):
-            first = int(bad_T.nonzero()[0, 0])
-            raise ValueError(f"router logits are NaN or inf for {int(bad_T.sum())} of {T} tokens "
-                             f"(first: token {first}); nonfinite='propagate' turns them into NaN outputs")
         noise_TE = None
         if self.training and cfg.noisy_gate_policy == "rsample":
             # Gumbel(0, 1) on the logits used for selection: sampling without replacement.
             u = torch.rand_like(logits_TE).clamp_min(torch.finfo(torch.float32).tiny)
             noise_TE = -torch.log(-torch.log(u))
         args = (logits_TE, cfg.k, cfg.score_func, self.expert_bias, normalizes(cfg), cfg.scaling_factor)
-        scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
+        aux = bad_T = scores_TE = None
         if noise_TE is None and replay is None and self._use_kernel(logits_TE):
-            ids_TK, w_TK, hist_E = _rk.routing(*args)
+            # One launch: the routes, the rows with a non-finite logit and, where it covers
+            # only this rank's tokens, the load-balancing loss (no [T, E] scores kept here).
+            ids_TK, w_TK, hist_E, bad, aux = _rk.routing_full(*args, self._fused_aux_scale(T, stats_group))
         else:
+            bad_T = _rk.nonfinite_rows(logits_TE)
+            bad = bad_T.sum() if cfg.nonfinite == "raise" else None
+            if cfg.score_func != "softmax_after_topk":
+                scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
             # The reference reuses the scores (one softmax, one backward through it) and bad_T;
             # a replay gives it the forward's ids instead of selecting.
             ids_TK, w_TK, hist_E = _rk.routing_reference(
                 *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, group_topn=group_topn(cfg),
-                selection_noise_TE=noise_TE,
-                scores_TE=scores_TE if cfg.score_func != "softmax_after_topk" else None, bad_T=bad_T,
+                selection_noise_TE=noise_TE, scores_TE=scores_TE, bad_T=bad_T,
                 ids_TK=None if replay is None else replay.ids_TK)
+        nonfinite = bad if cfg.nonfinite == "raise" and defer_checks else None
+        if cfg.nonfinite == "raise" and not defer_checks and bool(bad):
+            bad_T = _rk.nonfinite_rows(logits_TE) if bad_T is None else bad_T
+            raise ValueError(f"router logits are NaN or inf for {int(bad)} of {T} tokens "
+                             f"(first: token {int(bad_T.nonzero()[0, 0])}); nonfinite='propagate' turns them "
+                             f"into NaN outputs")
         capacity = capacity_of(cfg, T, self.training)
-        if capacity is None:
-            dropped_TK = torch.zeros_like(ids_TK, dtype=torch.bool)
-            kept_E = hist_E
-        else:   # an option: the drops live in capacity.py
+        dropped_TK = None
+        kept_E = hist_E
+        if capacity is not None:   # an option: the drops live in capacity.py
+            bad_T = _rk.nonfinite_rows(logits_TE) if bad_T is None else bad_T
             dropped_TK, w_TK, kept_E = drop_beyond_capacity(cfg, ids_TK, w_TK, bad_T, capacity,
                                                             None if replay is None else replay.dropped_TK)
-        aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group, comm_stats)
+        if aux is None:
+            if scores_TE is None and cfg.aux_loss is not None:
+                scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
+            aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group, comm_stats)
+        else:
+            z = self._losses(logits_TE, None, ids_TK, hist_E, stats_group, comm_stats, aux_done=True)[1]
         if self.training and cfg.expert_bias and count:
             with torch.no_grad():
                 self.load_accum += hist_E
-        return Routing(ids_TK, w_TK, dropped_TK, kept_E, aux, z, scores_TE, capacity, nonfinite)
+        return Routing(ids_TK, w_TK, dropped_TK, kept_E, aux, z, logits_TE, capacity, nonfinite,
+                       score_func=cfg.score_func)
 
-    def _losses(self, logits_TE, scores_TE, ids_TK, hist_E, group, comm_stats=None
+    def _fused_aux_scale(self, tokens: int, stats_group) -> float:
+        """The routing launch's ``aux_scale`` when it can compute the aux loss (the Switch loss
+        over this rank's tokens), else 0: coeff x E / (K x T^2) (x K in transformers'
+        convention), so that the launch's sum_e P_e x scale x routes_e is the loss."""
+        cfg = self.config
+        if cfg.aux_loss != "switch" or comm.group_size(stats_group) > 1 or tokens == 0:
+            return 0.0
+        scale = cfg.aux_loss_coeff * cfg.num_experts / (cfg.k * tokens * tokens)
+        return scale * cfg.k if cfg.aux_loss_convention == "hf" else scale
+
+    def _losses(self, logits_TE, scores_TE, ids_TK, hist_E, group, comm_stats=None, aux_done: bool = False
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Aux and z losses from sums that add over ranks, so ``stats_group`` gives the
         loss of the union of the group's tokens: counts are all-reduced; score and
@@ -278,8 +315,8 @@ class TopKRouter(nn.Module):
         cfg = self.config
         T, E = logits_TE.shape
         K = cfg.k
-        zero = logits_TE.new_zeros(())
-        aux_on, z_on = cfg.aux_loss is not None, cfg.z_loss_coeff > 0
+        zero = self._zero(logits_TE.device)
+        aux_on, z_on = cfg.aux_loss is not None and not aux_done, cfg.z_loss_coeff > 0
         if not aux_on and not z_on:
             return zero, zero
         diff, counts = [], []
@@ -329,6 +366,14 @@ class TopKRouter(nn.Module):
                     aux = aux * K
             aux = cfg.aux_loss_coeff * aux
         return aux, z
+
+    def _zero(self, device, dtype=torch.float32) -> torch.Tensor:
+        """A 0 (a loss that is off, no dropped route) on ``device``, made once (each op a
+        launch on a GPU)."""
+        zero = self._zeros.get((device, dtype))
+        if zero is None:
+            zero = self._zeros[(device, dtype)] = torch.zeros((), device=device, dtype=dtype)
+        return zero
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float, group=None) -> torch.Tensor:

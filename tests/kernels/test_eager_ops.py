@@ -29,9 +29,10 @@ def test_permute_and_unpermute_eager_equal_the_custom_ops(impl, drops):
         xl, wl = x.clone().requires_grad_(), w.clone().requires_grad_()
 
         def run():
-            x_ND, counts, row_map = permute_fn(xl, ids, dropped, 4, None, None, impl)
-            y = unpermute_fn(x_ND * 2.0, row_map, wl, 9, impl)
-            return y, x_ND, counts, row_map
+            x_ND, counts, row_map, route_N = permute_fn(xl, ids, dropped, 4, None, None, impl)
+            y = unpermute_fn(x_ND * 2.0, row_map, wl, 9, impl, route_N)   # the permute's inverse kept
+            y2 = unpermute_fn(x_ND * 3.0, row_map, wl, 9, impl)            # ... and rebuilt
+            return y, y2, x_ND, counts, row_map, route_N
         results.append(_grads(run, xl, wl))
     (out_a, grads_a), (out_b, grads_b) = results
     for a, b in zip(out_a + tuple(grads_a), out_b + tuple(grads_b)):
@@ -41,10 +42,11 @@ def test_permute_and_unpermute_eager_equal_the_custom_ops(impl, drops):
 def test_routing_eager_equals_the_custom_op():
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(11, 6, generator=g)
-    results = []
-    for fn in (rk._routing_call, rk._routing_op):
-        leaf = logits.clone().requires_grad_()
-        results.append(_grads(lambda: fn(leaf, 2, "softmax", None, True, 1.0, 0, 0), leaf))
-    (out_a, grads_a), (out_b, grads_b) = results
-    for a, b in zip(out_a + tuple(grads_a), out_b + tuple(grads_b)):
-        assert torch.equal(a, b)
+    for aux_scale in (0.0, 0.3):   # without and with the load-balancing loss
+        results = []
+        for fn in (rk._routing_call, rk._routing_op):
+            leaf = logits.clone().requires_grad_()
+            results.append(_grads(lambda: fn(leaf, 2, "softmax", None, True, 1.0, aux_scale, 0, 0), leaf))
+        (out_a, grads_a), (out_b, grads_b) = results
+        for a, b in zip(out_a + tuple(grads_a), out_b + tuple(grads_b)):
+            assert torch.equal(a, b)

@@ -166,8 +166,9 @@ def test_compile_fullgraph_through_the_custom_op():
 
 def test_opcheck_registrations():
     x = torch.randn(7, 8)
-    torch.library.opcheck(rk._routing_op, (x, 2, "softmax", None, True, 1.0, 0, 0),
-                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    for aux_scale in (0.0, 0.5):
+        torch.library.opcheck(rk._routing_op, (x, 2, "softmax", None, True, 1.0, aux_scale, 0, 0),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_empty_batch():
@@ -225,3 +226,52 @@ def test_interpreter_version_check(monkeypatch):
         rk.routing(logits, 2)
     with pytest.raises(RuntimeError, match="triton .* with numpy"):
         permute(torch.randn(4, 8), torch.zeros(4, 2, dtype=torch.int64), None, 8, impl="triton")
+
+
+def _aux_reference(x, k, score_func, bias, normalize, scale, aux_scale):
+    """routing_reference, then the load-balancing loss in plain torch: P_e = sum_t p_te (the
+    scores as a per-token distribution) times aux_scale x routes_e."""
+    ids, w, hist = rk.routing_reference(x, k, score_func, bias, normalize, scale)
+    s = torch.sigmoid(x) if score_func == "sigmoid" else torch.softmax(x, -1)
+    p = s / (s.sum(-1, keepdim=True) + 1e-20) if score_func == "sigmoid" else s
+    return ids, w, hist, (p.sum(0) * hist.float() * aux_scale).sum()
+
+
+@pytest.mark.parametrize("normalize", [False, True])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("score_func", SCORES)
+def test_full_routing_statistics_and_gradients_equal_the_reference(score_func, with_bias, normalize):
+    """One launch gives the routes, the non-finite rows and the load-balancing loss; its
+    backward (one launch) gives the logits the gradient of weights and loss together."""
+    for E, k, T in ((8, 2, 1), (60, 6, 37), (256, 8, 300)):
+        x = planted_logits(T, E, seed=E + k) + 0.01 * torch.randn(T, E, generator=torch.Generator().manual_seed(k))
+        bias = planted_bias(E, E) if with_bias else None
+        g = torch.randn(T, k, generator=torch.Generator().manual_seed(T))
+        aux_scale = 0.01 * E / (k * T * T)
+        got, want = [], []
+        for fn, out in ((rk.routing_full, got), (_aux_reference, want)):
+            leaf = x.clone().requires_grad_()
+            res = fn(leaf, k, score_func, bias, normalize, 1.5, aux_scale)
+            ids, w, hist, aux = res[0], res[1], res[2], res[-1]
+            ((w * g).sum() + 100 * aux).backward()
+            out += [ids, w.detach(), hist, aux.detach(), leaf.grad]
+        where = f"E={E} k={k} T={T}"
+        assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]), where
+        torch.testing.assert_close(got[1], want[1], atol=1e-6, rtol=0, msg=where)
+        torch.testing.assert_close(got[3], want[3], atol=1e-7, rtol=1e-5, msg=where)
+        torch.testing.assert_close(got[4], want[4], atol=1e-6, rtol=1e-5, msg=where)
+
+
+def test_nonfinite_rows_are_counted_in_the_launch_and_get_nan_gradients():
+    x = torch.randn(9, 16)
+    x[2, 3], x[5, 0], x[5, 7], x[7, 15] = float("nan"), float("inf"), float("-inf"), float("-inf")
+    ids, w, hist, bad, aux = rk.routing_full(x, 2, "softmax", None, False, 1.0, 0.25)
+    assert int(bad) == 3 and bool(torch.isnan(aux))
+    assert bool(torch.isnan(w[[2, 5, 7]]).all()) and bool(torch.isfinite(w[[0, 1, 3, 4, 6, 8]]).all())
+    for score_func in SCORES:
+        g = torch.ones(9, 2)
+        got = rk.routing_backward(x, ids, g, score_func, True, 1.0, torch.ones(16))
+        want = rk.routing_backward_reference(x, ids, g, score_func, True, 1.0, torch.ones(16))
+        assert bool(torch.isnan(got[[2, 5, 7]]).all()) and bool(torch.isnan(want[[2, 5, 7]]).all())
+        ok = [0, 1, 3, 4, 6, 8]
+        torch.testing.assert_close(got[ok], want[ok], atol=1e-6, rtol=1e-5)

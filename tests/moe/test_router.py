@@ -342,8 +342,8 @@ def test_nonfinite_propagate_gives_nan_weights_not_expert0(use_kernel, capacity_
 
 def test_kernel_and_reference_routers_agree(monkeypatch):
     calls = []
-    real = rk.routing
-    monkeypatch.setattr(rk, "routing", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    real = rk.routing_full
+    monkeypatch.setattr(rk, "routing_full", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     kw = dict(score_func="sigmoid", expert_bias=True, capacity_factor=1.0, drop_policy="probs",
               scaling_factor=2.0, z_loss_coeff=0.01, init_seed=2, noisy_gate_policy="jitter")
     rk_, rr = TopKRouter(10, 16, 4, use_kernel=True, **kw), TopKRouter(10, 16, 4, use_kernel=None, **kw)

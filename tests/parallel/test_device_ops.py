@@ -11,7 +11,7 @@ import torch
 
 from ..helpers.multiproc import run_ranks
 
-BUDGET = {"forward": (35, 3), "backward": (44, 2)}   # (aten device ops, Triton launches)
+BUDGET = {"forward": (18, 3), "backward": (18, 3)}   # (aten device ops, Triton launches)
 
 
 def _count():
