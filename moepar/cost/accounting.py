@@ -58,8 +58,8 @@ import dataclasses
 
 from ..moe.traffic import LayerShape, aux_group_name, layer_collectives
 from .collectives import Hardware, sent_bytes
-from .model import (DTYPE_BYTES, CostLayout, MoESpec, Params, Routes, check_fits, count_params, dedup_fraction,
-                    routes_per_rank, wire_bytes)
+from .model import DTYPE_BYTES, CostLayout, MoESpec, Params, check_fits, count_params, wire_bytes
+from .routes import Routes, dedup_fraction, routes_per_rank
 from .replication import expert_slice_params, replica_plan
 
 INT64 = 8

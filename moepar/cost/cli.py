@@ -19,7 +19,8 @@ from typing import Callable
 from ..tables import fmt_bytes, fmt_time, format_table
 from .accounting import DEFAULT_COMPUTE_EFFICIENCY
 from .architectures import MODEL_TYPES, MODELS, spec_fields_from_file
-from .collectives import ALGOS, OPS, PRESETS, Hardware
+from .collectives import ALGOS, OPS, Hardware
+from .presets import PRESETS
 from .model import CostLayout, MoESpec
 from .profiles import get_hardware
 from .schedules import SCHEDULES, default_vp

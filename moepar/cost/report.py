@@ -28,7 +28,8 @@ from ..tables import fmt_bytes, fmt_count, fmt_rate, fmt_time, format_table
 from .accounting import StepCost
 from .pipeline import step_cost
 from .collectives import Hardware, Link, Placement, sent_bytes
-from .model import CostLayout, MoESpec, layout_imbalance
+from .model import CostLayout, MoESpec
+from .routes import layout_imbalance
 
 
 # ---- EP against TP for the same FFN --------------------------------------------------------

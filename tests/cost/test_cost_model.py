@@ -8,7 +8,8 @@ import pytest
 from moepar.cost.accounting import count_flops, layer_calls, memory_per_rank, step_calls
 from moepar.cost.pipeline import step_cost
 from moepar.cost.architectures import MODELS
-from moepar.cost.model import CostLayout, MoESpec, check_fits, count_params, imbalance_from_counts, routes_per_rank
+from moepar.cost.model import CostLayout, MoESpec, check_fits, count_params
+from moepar.cost.routes import imbalance_from_counts, routes_per_rank
 from moepar.cost.profiles import get_hardware
 
 H100 = get_hardware("h100")
@@ -219,7 +220,7 @@ def _exact_fraction(E, K, ep):
 
 @pytest.mark.parametrize("E,K,ep", [(8, 2, 2), (8, 3, 4), (12, 4, 3), (16, 4, 2), (10, 5, 5)])
 def test_dedup_fraction_is_the_mean_over_every_expert_subset(E, K, ep):
-    from moepar.cost.model import dedup_fraction
+    from moepar.cost.routes import dedup_fraction
     spec = MoESpec(hidden=8, ffn=8, experts=E, topk=K, tokens=64, dedup="on")
     assert dedup_fraction(spec, CostLayout(ep, 8, ep=ep)) == pytest.approx(_exact_fraction(E, K, ep), rel=1e-12)
 
@@ -228,7 +229,7 @@ def test_dedup_matches_the_layer_threshold_and_its_measured_rows():
     # The model's auto threshold is the layer's, and the fraction the model expects is what
     # the layer's own row count gives on uniform random top-8 of 64 routes (4096 tokens).
     import torch
-    from moepar.cost.model import DEDUP_MAX_FRACTION, dedup_fraction
+    from moepar.cost.routes import DEDUP_MAX_FRACTION, dedup_fraction
     from moepar.moe import dedup
     assert DEDUP_MAX_FRACTION == dedup.DEDUP_MAX_FRACTION
     ids = torch.rand(4096, 64, generator=torch.Generator().manual_seed(0)).topk(8, dim=1).indices
