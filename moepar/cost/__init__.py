@@ -12,8 +12,8 @@ from .._lazy import attach as _attach
 # public name -> the module defining it; each is imported on first use (``moepar._lazy``),
 # so that a command runs and imports only the modules it needs
 _NAMES = {
-    **{name: ".accounting" for name in ("DEFAULT_COMPUTE_EFFICIENCY", "Call", "StepCost", "count_flops", "layer_calls",
-                                        "memory_per_rank", "step_calls")},
+    **{name: ".accounting" for name in ("Call", "count_flops", "layer_calls", "step_calls")},
+    "StepCost": ".step", "memory_per_rank": ".memory", "EFFICIENCY": ".compute",
     "PRESETS": ".presets",
     **{name: ".collectives" for name in ("Hardware", "Link", "Placement", "bus_factor", "busbw",
                                          "link_time", "pick_algo")},
@@ -28,7 +28,7 @@ _NAMES = {
 }
 
 __all__ = [
-    "DEFAULT_COMPUTE_EFFICIENCY", "pick_algo", "wire_bytes", "Call", "CostLayout", "Curve", "Hardware", "Link", "MoESpec", "PRESETS", "Placement", "StepCost",
+    "EFFICIENCY", "pick_algo", "wire_bytes", "Call", "CostLayout", "Curve", "Hardware", "Link", "MoESpec", "PRESETS", "Placement", "StepCost",
     "build_report", "bus_factor", "busbw", "count_flops", "count_params", "crossover_topk", "ep_vs_tp",
     "get_hardware", "imbalance_from_counts", "layer_calls", "link_time", "load_profile",
     "measured_vs_predicted", "memory_per_rank", "recommend", "render_markdown", "render_text",

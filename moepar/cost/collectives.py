@@ -373,6 +373,18 @@ class Hardware:
         return link_time(op, placement, nbytes, self.intra, self.inter, algo, self.base_latency,
                          self.nic_share, self.nvls_algbw)
 
+    def node_limited_all_to_all(self, placement: Placement, nbytes: float, inter_fraction: float) -> float:
+        """An all-to-all whose tokens reach each destination node over the network once and are
+        forwarded inside it over NVLink (DeepEP's normal kernels; DeepSeek-V3 report sec. 3.2.2):
+        ``inter_fraction`` of the ``nbytes`` cross the network, (m-1)/m of them NVLink, both at
+        once: a0 + a_x + max((m-1)/m·S/B_i, f·S/b_x). One node: the plain all-to-all."""
+        if placement.nodes == 1 or self.curve_for("all_to_all", placement) is not None:
+            return self.collective_time("all_to_all", placement, nbytes)
+        m = placement.per_node
+        b_x = self.inter.achievable * self.nic_share
+        return (self.base_latency + self.inter.latency
+                + max((m - 1) / m * nbytes / self.intra.achievable, inter_fraction * nbytes / b_x))
+
     def resolve_algo(self, op: str, placement: Placement, nbytes: float, algo: str | None = None) -> str:
         """The algorithm that prices this call: ``auto`` resolved to the fastest concrete one
         (kept as ``auto`` where a measured curve prices it: the backend chose)."""

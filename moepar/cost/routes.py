@@ -70,3 +70,21 @@ def imbalance_from_counts(tokens_per_expert, ep: int) -> float:
         raise ValueError("routing counts sum to 0: no tokens were routed")
     return max(loads) / mean
 
+
+
+def node_limited_fraction(spec: MoESpec, layout: CostLayout) -> float | None:
+    """With ``max_nodes_per_token`` M: the share of a rank's dispatched bytes that crosses the
+    network, when each token goes once to each node its experts lie on. Uniform routing over
+    the experts of M nodes (E_M = M·L of them, L = E/g per node of the EP group's g) puts a
+    token on u = M·(1 - C(E_M - L, K)/C(E_M, K)) nodes on average, (g-1)/g of them remote: u·(g-1)/g
+    rows of the token's K cross the network. None without the option or inside one node."""
+    M = spec.max_nodes_per_token
+    pl = layout.placement("ep")
+    g = pl.nodes
+    if M is None or g == 1:
+        return None
+    M = min(M, g)
+    L, K = spec.experts // g, spec.topk
+    pool = M * L
+    u = M * (1.0 - math.comb(pool - L, K) / math.comb(pool, K)) if K <= pool else float(M)
+    return u * (g - 1) / g / K

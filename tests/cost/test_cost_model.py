@@ -181,8 +181,8 @@ def test_step_cost_totals_and_the_issue_example():
     spec = MoESpec(hidden=4096, ffn=14336, experts=8, topk=2, tokens=8192)
     cost = step_cost(spec, CostLayout(64, 8, tp=2, ep=8), H100)
     assert cost.comm_per_step == pytest.approx(cost.comm_per_layer + sum(c.total_seconds for c in cost.step))
-    assert cost.step_time == pytest.approx(cost.comm_per_step + cost.compute_per_step)
-    assert cost.compute_per_step == pytest.approx(cost.flops.rank_max / (989.5e12 * 0.45))   # default 45% of peak
+    assert cost.step_time == pytest.approx(cost.comm_per_step + cost.compute_per_step + cost.optimizer_time)
+    assert cost.compute_per_step == pytest.approx(cost.compute.total)    # one micro-batch, term by term
     # the attention all-reduce of T·D·b = 64 MiB over tp=2 on NVLink (ring, NCCL's 370 GB/s of
     # the 450 GB/s line rate): 1/2 x 2 x 64 MiB / 370 GB/s + 2 x 3.4 us + 8.4 us
     attn = [c for c in cost.layer if c.name == "attention output"][0]
