@@ -359,7 +359,8 @@ def _recommend(a: argparse.Namespace) -> int:
     total = fit[0].cost.tokens_per_step if fit else cands[0].cost.tokens_per_step
     print(f"{len(cands)} layouts of {a.gpus} GPUs on {hw.name}; {len(fit)} fit in {mem_text} per GPU; "
           f"about {total} tokens per step; ranked by predicted step time with ideal overlap (step; "
-          f"'no overlap' is the upper bound), compute at {cands[0].cost.compute_efficiency:.0%} of peak:")
+          f"'no overlap' is the upper bound), large GEMMs at {cands[0].cost.compute_efficiency:.0%} of the "
+          f"{'FP8' if spec.fp8 and hw.fp8_flops else 'BF16'} peak:")
     if skipped:
         print(f"({len(skipped)} pipelined layouts left out: their micro-batches break the {a.schedule!r} schedule's "
               f"rule at this global batch)")

@@ -180,7 +180,8 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
                  "per": c.per} for c in cs]
 
     sizes = list(compare_sizes or _group_sizes(lay.gpus))
-    a2a = [c.algo for c in cost.layer if c.op == "all_to_all"]
+    # the EP-vs-TP table prices plain all-to-alls (a node-limited one is the model's routing, not an algorithm)
+    a2a = [c.algo for c in cost.layer if c.op == "all_to_all" and c.algo in ("pairwise", "hierarchical")]
     kw = dict(gpus_per_node=lay.gpus_per_node, dtype_bytes=s.b, a2a_algo=a2a[0] if a2a else "pairwise",
               ar_algo=ar_algo)
     t_gpu = s.tokens // lay.tp          # the layer table's T/tp tokens per GPU: rows (T/tp)·K

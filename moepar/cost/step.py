@@ -16,7 +16,9 @@ Two bounds. *No overlap* (``step_time``): communication + compute + bubble + opt
   micro-batches run alone); without it, the forward dispatch behind the shared experts'
   forward (what the layer itself overlaps);
 - the pipeline's stage-boundary transfers of the steady state (torch issues them
-  asynchronously).
+  asynchronously);
+
+and all of them together at most the step's compute (communication hides only behind compute).
 
 The bound: a collective hides only behind compute that does not wait for it, on links and
 SMs of its own; the SMs a communication kernel takes from the GEMMs (DeepEP's, DualPipe's
@@ -186,9 +188,16 @@ class StepCost:
         return min(a2a, shared_fwd) * s.moe_layers * s.micro_batches
 
     @property
-    def hidden(self) -> float:
+    def hidden_each(self) -> float:
+        """The overlaps above, each within its own window (they may claim the same compute)."""
         return (self.hidden_grad_reduction + self.hidden_weight_gathers + self.hidden_shared_experts
                 + self.hidden_a2a + self.hidden_p2p)
+
+    @property
+    def hidden(self) -> float:
+        """What the overlaps hide together: at most the step's compute, behind which alone
+        communication can hide."""
+        return min(self.hidden_each, self.compute_per_step)
 
     @property
     def step_time_overlapped(self) -> float:
@@ -236,6 +245,7 @@ class StepCost:
                                                                 - self.hidden_weight_gathers)
         out["pipeline bubble"] = self.bubble_time
         out["optimizer step"] = self.optimizer_time
+        out["communication beyond the compute that hides it"] = self.hidden_each - self.hidden
         return out
 
 
