@@ -58,12 +58,14 @@ def calibrate_main(argv: list[str]) -> int:
 def _published(a: argparse.Namespace) -> int:
     """``validate --published``: torch-free, one process (the runs are priced, not measured)."""
     from .cli import check_output_path
-    from .published_check import render_all
+    from .published_check import published_report, render_all
     check_output_path(a.markdown, "--markdown")
-    print(render_all(recommend=a.recommend))
+    rep = published_report(a.recommend)
+    print(render_all(report=rep))
     if a.markdown:
+        text = render_all(markdown=True, report=rep)
         with open(a.markdown, "w") as f:
-            f.write(render_all(markdown=True, recommend=a.recommend) + "\n")
+            f.write(text + "\n")
         print(f"wrote {a.markdown}")
     return 0
 

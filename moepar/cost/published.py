@@ -6,7 +6,7 @@ model TFLOP/s/GPU) and, under ``settings``, what the run did beyond its layout, 
 source that says so. ``moepar.cost.published_check`` prices every run at its layout;
 ``python -m moepar validate --published`` prints the table docs/cost.md holds.
 
-Sources (the stored copies read on 2026-12-06):
+Sources (read on 2026-12-06):
 
 - ``megatron-bridge-25.11``: NVIDIA-NeMo/Megatron-Bridge, docs/performance-summary.md, section
   "25.11 NeMo Container", "Pre-Training Performance", at commit 5776a6d9 (2025-12-10, "25.11
@@ -22,7 +22,7 @@ Sources (the stored copies read on 2026-12-06):
   Where a config's own layout differs from the table's (DeepSeek-V3 on GB300: PP4 EP64 in the
   config, PP2 EP32 in the table), its recomputation and overlap are still taken as the run's.
 - ``megatron-bridge-26.08``: the same page at commit 4ab94dfa (2026-08-11, "update performance
-  summary for 26.08"), the newest stored copy: its MXFP8 rows of the same four models on GB300
+  summary for 26.08"), the newest version read: its MXFP8 rows of the same four models on GB300
   and GB200 (the page no longer lists H100 or B200, BF16 or FP8-CS rows; DeepSeek-V4 Flash and
   the Nemotron hybrids are not models this cost model prices). Their settings: the recipes of
   that commit (src/megatron/bridge/perf_recipes/*/gb{200,300}/*.py and common.py): HybridEP with
@@ -118,7 +118,7 @@ RUNS = (
                    "schedule": "dualpipev", "max_nodes_per_token": 4}),
 )
 
-# The same page's newest stored version (26.08): MXFP8 on GB300 and GB200, every recipe with the
+# The same page's version of 2026-08-11 (26.08): MXFP8 on GB300 and GB200, every recipe with the
 # all-to-all overlap (no GA column any more).
 _NEW = dict(source="megatron-bridge-26.08", settings_source="megatron-bridge-26.08-recipes", a2a_overlap=True)
 LATER_RUNS = (

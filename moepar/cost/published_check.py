@@ -129,17 +129,22 @@ def render(checked: list[Checked], markdown: bool = False) -> str:
     return "\n".join([_table(rows(checked), markdown), "", summary_line(summary(checked))])
 
 
-def render_all(markdown: bool = False, recommend: bool = False) -> str:
-    """What ``validate --published`` prints: the runs the acceptance is judged on (Megatron-Bridge
-    25.11 and the DeepSeek-V3 report), the same page's newest rows, the sources, and with
-    ``recommend`` where each published layout ranks among recommend's."""
-    first, later = check_all(RUNS), check_all(LATER_RUNS)
+def published_report(recommend: bool = False) -> dict:
+    """Everything ``validate --published`` prints, priced once: the runs the acceptance is
+    judged on (Megatron-Bridge 25.11 and the DeepSeek-V3 report), the same page's newest rows,
+    and with ``recommend`` where each published layout ranks among recommend's."""
+    first = check_all(RUNS)
+    return {"first": first, "later": check_all(LATER_RUNS), "ranks": rank_rows(first) if recommend else None}
+
+
+def render_all(markdown: bool = False, recommend: bool = False, report: dict | None = None) -> str:
+    rep = report or published_report(recommend)
     head = "### " if markdown else "== "
-    out = [f"{head}Megatron-Bridge 25.11 and the DeepSeek-V3 report", "", render(first, markdown), "",
-           f"{head}Megatron-Bridge 26.08 (the page's newest stored version)", "", render(later, markdown), "",
+    out = [f"{head}Megatron-Bridge 25.11 and the DeepSeek-V3 report", "", render(rep["first"], markdown), "",
+           f"{head}Megatron-Bridge 26.08 (the page's version of 2026-08-11)", "", render(rep["later"], markdown), "",
            "sources: " + "; ".join(f"{k}: {t}, {u} ({d})" for k, (t, u, d) in SOURCES.items())]
-    if recommend:
-        out += ["", f"{head}recommend against practice", "", _table(rank_rows(first), markdown)]
+    if rep["ranks"] is not None:
+        out += ["", f"{head}recommend against practice", "", _table(rep["ranks"], markdown)]
     return "\n".join(out)
 
 
