@@ -1,5 +1,6 @@
-"""One rank's training step: its FLOPs and memory, every collective of a transformer block
-with an MoE FFN, and the predicted step time.
+"""One rank's model FLOPs and every collective of a transformer block with an MoE FFN, per
+layer and per step (``moepar.cost.step`` adds them up with the compute of
+``moepar.cost.compute`` and the memory of ``moepar.cost.memory``).
 
 Legend (as model.py): D hidden, E experts, K top-k, T tokens per micro-batch per TP group,
 b activation bytes, R rows this rank dispatches per micro-batch, priced on the most
@@ -11,9 +12,8 @@ FLOPs follow the 6·N rule (2 forward + 4 backward per parameter per token) with
 parameters a token actually multiplies: attention, router, shared experts, K experts
 (not E) and the output projection; the input embedding is a lookup and norms are
 negligible. A rank's expert FLOPs are 6·R·P_e: its experts' work on the routes it
-*receives*, which under expert parallelism come from other data-parallel replicas.
-Memory: weights, gradients, Adam state (ZeRO-sharded) and an estimate of the activations
-one micro-batch keeps for backward.
+*receives*, which under expert parallelism come from other data-parallel replicas. These are
+the model FLOPs of MFU; the time is priced on executed FLOPs (``moepar.cost.compute``).
 
 Per MoE layer and micro-batch: the collectives of ``moepar.moe.traffic.layer_collectives``,
 the layer's own table (op, group, bytes formula and docs/moe.md step of each; a test
@@ -34,10 +34,9 @@ on the TP collectives, BF16 weights and gradients. ``dispatch_dtype`` / ``combin
 override the two all-to-all directions (forward dispatch and backward combine-gradient
 carry the expert inputs; forward combine and backward dispatch-gradient the outputs).
 
-Two bounds on the step: no overlap (communication + compute), and ideal overlap: the
-data-parallel gradient reduction hidden behind the backward that produces it (the last
-micro-batch's for ZeRO 0/1, each micro-batch's for ZeRO 2/3) and the shared experts'
-forward compute behind the forward dispatch all-to-all (what the layer overlaps).
+With node-limited routing (``max_nodes_per_token``) the MoE all-to-alls of the EP group are
+priced as sent once per node over the network and forwarded over NVLink
+(``Hardware.node_limited_all_to_all``, ``routes.node_limited_fraction``).
 
 Per micro-batch [vocab, tp>1]: the vocab-parallel embedding's all-reduce T·D·b forward (SP:
 reduce-scatter), the output layer's input-gradient all-reduce T·D·b backward (SP: gather +
