@@ -57,7 +57,7 @@ import dataclasses
 
 from ..moe.traffic import LayerShape, aux_group_name, layer_collectives
 from .collectives import Hardware, sent_bytes
-from .model import DTYPE_BYTES, CostLayout, MoESpec, Params, check_fits, count_params, wire_bytes
+from .model import DTYPE_BYTES, CostLayout, MoESpec, Params, count_params, wire_bytes
 from .routes import Routes, dedup_fraction, node_limited_fraction, routes_per_rank
 from .memory import memory_per_rank  # noqa: F401  (the public name's old home)
 from .replication import expert_slice_params, replica_plan

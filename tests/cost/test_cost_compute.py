@@ -2,7 +2,6 @@
 grouped GEMMs by rows per expert, flash attention (causal, sliding window), memory-bound
 passes, recomputation, the optimizer step, MTP, and the step's overlap of the all-to-all and
 the ZeRO weight gathers."""
-import math
 
 import pytest
 
