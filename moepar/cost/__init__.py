@@ -12,12 +12,13 @@ from .._lazy import attach as _attach
 # public name -> the module defining it; each is imported on first use (``moepar._lazy``),
 # so that a command runs and imports only the modules it needs
 _NAMES = {
-    **{name: ".accounting" for name in ("DEFAULT_COMPUTE_EFFICIENCY", "Call", "StepCost", "count_flops", "layer_calls",
-                                        "memory_per_rank", "step_calls")},
-    **{name: ".collectives" for name in ("PRESETS", "Hardware", "Link", "Placement", "bus_factor", "busbw",
+    **{name: ".accounting" for name in ("Call", "count_flops", "layer_calls", "step_calls")},
+    "StepCost": ".step", "memory_per_rank": ".memory", "EFFICIENCY": ".compute",
+    "PRESETS": ".presets",
+    **{name: ".collectives" for name in ("Hardware", "Link", "Placement", "bus_factor", "busbw",
                                          "link_time", "pick_algo")},
-    **{name: ".model" for name in ("CostLayout", "MoESpec", "count_params", "imbalance_from_counts", "routes_per_rank",
-                                   "wire_bytes")},
+    **{name: ".model" for name in ("CostLayout", "MoESpec", "count_params", "wire_bytes")},
+    "imbalance_from_counts": ".routes", "routes_per_rank": ".routes",
     "stage_cost": ".pipeline", "step_cost": ".pipeline",
     **{name: ".profiles" for name in ("Curve", "get_hardware", "load_profile", "save_profile")},
     **{name: ".report" for name in ("build_report", "crossover_topk", "ep_vs_tp", "render_markdown", "render_text")},
@@ -27,7 +28,7 @@ _NAMES = {
 }
 
 __all__ = [
-    "DEFAULT_COMPUTE_EFFICIENCY", "pick_algo", "wire_bytes", "Call", "CostLayout", "Curve", "Hardware", "Link", "MoESpec", "PRESETS", "Placement", "StepCost",
+    "EFFICIENCY", "pick_algo", "wire_bytes", "Call", "CostLayout", "Curve", "Hardware", "Link", "MoESpec", "PRESETS", "Placement", "StepCost",
     "build_report", "bus_factor", "busbw", "count_flops", "count_params", "crossover_topk", "ep_vs_tp",
     "get_hardware", "imbalance_from_counts", "layer_calls", "link_time", "load_profile",
     "measured_vs_predicted", "memory_per_rank", "recommend", "render_markdown", "render_text",

@@ -1,5 +1,6 @@
-"""One rank's training step: its FLOPs and memory, every collective of a transformer block
-with an MoE FFN, and the predicted step time.
+"""One rank's model FLOPs and every collective of a transformer block with an MoE FFN, per
+layer and per step (``moepar.cost.step`` adds them up with the compute of
+``moepar.cost.compute`` and the memory of ``moepar.cost.memory``).
 
 Legend (as model.py): D hidden, E experts, K top-k, T tokens per micro-batch per TP group,
 b activation bytes, R rows this rank dispatches per micro-batch, priced on the most
@@ -11,9 +12,8 @@ FLOPs follow the 6·N rule (2 forward + 4 backward per parameter per token) with
 parameters a token actually multiplies: attention, router, shared experts, K experts
 (not E) and the output projection; the input embedding is a lookup and norms are
 negligible. A rank's expert FLOPs are 6·R·P_e: its experts' work on the routes it
-*receives*, which under expert parallelism come from other data-parallel replicas.
-Memory: weights, gradients, Adam state (ZeRO-sharded) and an estimate of the activations
-one micro-batch keeps for backward.
+*receives*, which under expert parallelism come from other data-parallel replicas. These are
+the model FLOPs of MFU; the time is priced on executed FLOPs (``moepar.cost.compute``).
 
 Per MoE layer and micro-batch: the collectives of ``moepar.moe.traffic.layer_collectives``,
 the layer's own table (op, group, bytes formula and docs/moe.md step of each; a test
@@ -34,10 +34,9 @@ on the TP collectives, BF16 weights and gradients. ``dispatch_dtype`` / ``combin
 override the two all-to-all directions (forward dispatch and backward combine-gradient
 carry the expert inputs; forward combine and backward dispatch-gradient the outputs).
 
-Two bounds on the step: no overlap (communication + compute), and ideal overlap: the
-data-parallel gradient reduction hidden behind the backward that produces it (the last
-micro-batch's for ZeRO 0/1, each micro-batch's for ZeRO 2/3) and the shared experts'
-forward compute behind the forward dispatch all-to-all (what the layer overlaps).
+With node-limited routing (``max_nodes_per_token``) the MoE all-to-alls of the EP group are
+priced as sent once per node over the network and forwarded over NVLink
+(``Hardware.node_limited_all_to_all``, ``routes.node_limited_fraction``).
 
 Per micro-batch [vocab, tp>1]: the vocab-parallel embedding's all-reduce T·D·b forward (SP:
 reduce-scatter), the output layer's input-gradient all-reduce T·D·b backward (SP: gather +
@@ -58,17 +57,14 @@ import dataclasses
 
 from ..moe.traffic import LayerShape, aux_group_name, layer_collectives
 from .collectives import Hardware, sent_bytes
-from .model import (DTYPE_BYTES, CostLayout, MoESpec, Params, Routes, check_fits, count_params, dedup_fraction,
-                    routes_per_rank, wire_bytes)
+from .model import DTYPE_BYTES, CostLayout, MoESpec, Params, count_params, wire_bytes
+from .routes import Routes, dedup_fraction, node_limited_fraction, routes_per_rank
+from .memory import memory_per_rank  # noqa: F401  (the public name's old home)
 from .replication import expert_slice_params, replica_plan
 
 INT64 = 8
 FP32 = 4
-# Published model-FLOP utilisation of large training runs on H100: Megatron-Core reaches
-# up to 47% MFU (NVIDIA/Megatron-LM README); the default compute rate is 45% of peak.
-DEFAULT_COMPUTE_EFFICIENCY = 0.45
 FWD_SHARE, BWD_SHARE = 2 / 6, 4 / 6   # of the 6·N training FLOPs: 2 forward, 4 backward
-ADAM_BYTES_PER_PARAM = 12   # fp32 master weights + Adam m and v (ZeRO paper's K = 12)
 
 
 # ---- FLOPs ------------------------------------------------------------------------------
@@ -112,67 +108,6 @@ def count_flops(spec: MoESpec, layout: CostLayout, params: Params | None = None,
                  rank_max * tp * layout.dp, rank_max * spec.micro_batches)
 
 
-# ---- memory ------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Memory:
-    """Bytes per rank: weights, gradients, optimizer state (ZeRO-sharded), activations."""
-
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-    replica_weights: float = 0.0   # remote expert copies, every MoE layer, one micro-batch in flight
-    replica_grads: float = 0.0     # their gradient buffers, one MoE layer at a time (backward)
-
-    @property
-    def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.replica_weights + self.replica_grads
-
-
-def activation_bytes(spec: MoESpec, layout: CostLayout, routes: Routes | None = None) -> float:
-    """Activations kept for backward, one micro-batch, all layers, no recomputation, flash
-    attention (no T x T scores). An estimate: it counts the tensors named below."""
-    r = routes or routes_per_rank(spec, layout)
-    D, T, tp, b = spec.hidden, spec.tokens, layout.tp, spec.b
-    t_sp = T // tp if layout.sp else T           # tokens of a replicated [T, D] tensor on this rank
-    kv_dim = (spec.kv_heads or spec.heads or 1) * (D // (spec.heads or 1)) if spec.heads else D
-    attn = (2 * t_sp * D                          # two norm inputs (residual stream)
-            + t_sp * D                            # QKV input
-            + T * (D + 2 * kv_dim) // tp          # Q, K, V
-            + T * D // tp) * b                    # attention context (o-proj input)
-    router = t_sp * spec.experts * 4 * 2          # fp32 logits and probabilities
-    # Expert rows: the (all-gathered, with etp) dispatched input etp·R x D; the hidden
-    # gate/up outputs and activation (3F gated, 2F plain, sliced F/etp over etp·R rows);
-    # the expert outputs R x D, kept for the routing-weight gradient.
-    experts = (layout.etp * r.max * D + r.max * spec.mats * spec.ffn + r.max * D) * b
-    shared = spec.shared_experts * (t_sp * D + T * spec.mats * spec.fs // tp) * b
-    return spec.layers * attn + spec.moe_layers * (router + experts + shared)   # dense FFNs: not listed
-
-
-def memory_per_rank(spec: MoESpec, layout: CostLayout, params: Params | None = None,
-                    routes: Routes | None = None, param_bytes: int | None = None) -> Memory:
-    """ZeRO stage 1 shards optimizer state, 2 also gradients, 3 also weights: dense over dp,
-    experts over edp (expert-data-parallel replicas)."""
-    p = params or count_params(spec, layout)
-    pb = spec.b if param_bytes is None else param_bytes
-    z = layout.zero
-    dense_w = p.dense_rank / (layout.dp if z >= 3 else 1)
-    exp_w = p.expert_rank / (layout.edp if z >= 3 else 1)
-    dense_g = p.dense_rank / (layout.dp if z >= 2 else 1)
-    exp_g = p.expert_rank / (layout.edp if z >= 2 else 1)
-    dense_o = p.dense_rank / (layout.dp if z >= 1 else 1)
-    exp_o = p.expert_rank / (layout.edp if z >= 1 else 1)
-    # Expert replication: the busiest rank's remote slots hold full copies (not ZeRO-sharded),
-    # received every forward and kept for the backward, plus their gradients in the backward.
-    replica = 0.0
-    if spec.redundant_experts:
-        replica = max(replica_plan(spec, layout).received) * expert_slice_params(spec, layout.etp) * pb
-    return Memory((dense_w + exp_w) * pb, (dense_g + exp_g) * pb,
-                  (dense_o + exp_o) * ADAM_BYTES_PER_PARAM,
-                  activation_bytes(spec, layout, routes), spec.moe_layers * replica, replica)
-
-
 # ---- collectives ---------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
@@ -208,15 +143,20 @@ def layer_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, routes: Routes 
     R = r.max
     calls: list[Call] = []
 
+    node_limited = node_limited_fraction(spec, layout)
+
     def add(name, op, group, phase, nbytes, formula, count=1):
         algo = a2a_algo if op == "all_to_all" else ar_algo if op == "all_reduce" else "ring"
         pl = layout.placement(group)
         # the replica all-to-all sends nothing to the rank itself: all its bytes cross links
         wire = nbytes * pl.size / (pl.size - 1) if name.startswith("MoE replica") else nbytes
         algo = hw.resolve_algo(op, pl, wire, algo)
-        calls.append(Call(name, op, algo, group, pl.size, phase, float(nbytes), count,
-                          hw.collective_time(op, pl, wire, algo), sent_bytes(op, pl, wire, algo),
-                          formula))
+        seconds, sent = hw.collective_time(op, pl, wire, algo), sent_bytes(op, pl, wire, algo)
+        if node_limited is not None and op == "all_to_all" and group == "ep" and not name.startswith("MoE replica"):
+            algo = "node-limited"   # once per node over the network, then NVLink (routes.node_limited_fraction)
+            seconds = hw.node_limited_all_to_all(pl, wire, node_limited)
+            sent = wire * ((pl.per_node - 1) / pl.per_node + node_limited)
+        calls.append(Call(name, op, algo, group, pl.size, phase, float(nbytes), count, seconds, sent, formula))
 
     f = dedup_fraction(spec, layout)
     # Expert replication: the busiest EP rank's copies (sent or received) bound the replica
@@ -341,140 +281,3 @@ def step_calls(spec: MoESpec, layout: CostLayout, hw: Hardware, params: Params |
     # moepar's Pipeline.step: the last stage's loss and every stage's aux loss, 2 fp32 over pp
     once("pipeline loss and aux", "all_reduce", "pp", "step", 2 * FP32, "2·4")
     return out
-
-
-# ---- the step ------------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class StepCost:
-    """The full prediction for one training step on one (the most loaded) rank."""
-
-    spec: MoESpec
-    layout: CostLayout
-    hardware: Hardware
-    params: Params
-    routes: Routes
-    flops: Flops
-    memory: Memory
-    layer: list[Call]
-    step: list[Call]
-    compute_efficiency: float
-    p2p: tuple[Call, ...] = ()   # pipeline sends/receives per micro-batch (moepar.cost.pipeline)
-    bubble_units: float = 0.0    # the schedule's bubble, in micro-batch times t_mb
-    pipeline: object = None      # pipeline.PipelineInfo when pp > 1
-
-    @property
-    def comm_per_layer(self) -> float:
-        return sum(c.total_seconds for c in self.layer)
-
-    @property
-    def p2p_per_microbatch(self) -> float:
-        """Seconds a micro-batch waits on its stage boundaries: the receives (each transfer
-        once; its send is the peer's receive)."""
-        return sum(c.total_seconds for c in self.p2p if c.op == "recv")
-
-    @property
-    def comm_per_step(self) -> float:
-        return (sum(c.seconds * calls_per_step(c, self.spec) for c in self.layer + self.step)
-                + self.p2p_per_microbatch * self.spec.micro_batches)
-
-    @property
-    def microbatch_time(self) -> float:
-        """t_mb: one micro-batch's forward + backward on this rank: compute, its layers'
-        collectives and its stage boundaries (no overlap)."""
-        mb = self.spec.micro_batches
-        layers = sum(c.seconds * calls_per_step(c, self.spec) for c in self.layer)
-        return (self.compute_per_step + layers) / mb + self.p2p_per_microbatch
-
-    @property
-    def bubble_time(self) -> float:
-        """Seconds the pipeline's fill and drain leave this rank idle (0 without stages)."""
-        return self.bubble_units * self.microbatch_time
-
-    @property
-    def hidden_p2p(self) -> float:
-        """The steady state's stage-boundary transfers behind compute (torch issues them
-        asynchronously); the fill and drain keep theirs (they are in ``bubble_time``)."""
-        return self.p2p_per_microbatch * self.spec.micro_batches
-
-    @property
-    def rate(self) -> float:
-        """FLOP/s this rank reaches: peak x compute efficiency."""
-        return self.hardware.flops * self.compute_efficiency
-
-    @property
-    def compute_per_step(self) -> float:
-        return self.flops.per_step_rank_max / self.rate
-
-    @property
-    def step_time(self) -> float:
-        """Communication + compute (+ the pipeline bubble), no overlap assumed (an upper bound)."""
-        return self.comm_per_step + self.compute_per_step + self.bubble_time
-
-    @property
-    def grad_reduction(self) -> float:
-        """Seconds of gradient reduction per step (the per-step calls named ``... grads``)."""
-        return sum(c.total_seconds for c in self.step if "grads" in c.name)
-
-    @property
-    def hidden_grad_reduction(self) -> float:
-        """Gradient reduction behind the backward: the last micro-batch's backward for ZeRO
-        0/1 (gradients accumulate locally until then), every micro-batch's for ZeRO 2/3."""
-        bwd = self.flops.rank_max * BWD_SHARE / self.rate
-        windows = self.spec.micro_batches if self.layout.zero >= 2 else 1
-        return min(self.grad_reduction, bwd * windows)
-
-    @property
-    def hidden_shared_experts(self) -> float:
-        """Shared experts' forward compute behind the forward dispatch all-to-all (and the
-        dedup side message), per step: what the layer overlaps (``overlap_shared_experts``:
-        it computes them while that all-to-all is in flight); the combine and the backward
-        run in order."""
-        s = self.spec
-        if not s.shared_experts or self.layout.ep == 1:
-            return 0.0
-        shared_fwd = 2 * s.tokens * self.params.shared / self.layout.tp / self.rate   # per layer
-        a2a = sum(c.total_seconds for c in self.layer if c.name in ("MoE dispatch", "MoE dedup side"))
-        return min(a2a, shared_fwd) * s.layers * s.micro_batches
-
-    @property
-    def step_time_overlapped(self) -> float:
-        """Ideal overlap: the step less the gradient reduction hidden behind the backward and
-        the all-to-alls hidden behind shared experts (a lower bound for this compute rate)."""
-        return self.step_time - self.hidden_grad_reduction - self.hidden_shared_experts - self.hidden_p2p
-
-    @property
-    def tokens_per_step(self) -> int:
-        """Global batch: T tokens per micro-batch per TP group x dp groups x micro-batches."""
-        return self.spec.tokens * self.layout.dp * self.spec.micro_batches
-
-    def mfu(self, overlapped: bool = False) -> float:
-        """Model FLOPs (6·N_active per token, + attention scores) per step over the peak of
-        every GPU for the predicted step time."""
-        t = self.step_time_overlapped if overlapped else self.step_time
-        return self.flops.model * self.spec.micro_batches / (self.layout.gpus * self.hardware.flops * t)
-
-    def tokens_per_second_per_gpu(self, overlapped: bool = False) -> float:
-        t = self.step_time_overlapped if overlapped else self.step_time
-        return self.tokens_per_step / t / self.layout.gpus
-
-    @property
-    def fits(self) -> bool:
-        return self.memory.total <= self.hardware.memory_bytes
-
-
-def price_stage(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float,
-                a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
-    """Everything of one rank whose layers are ``spec``'s (the whole model, or a pipeline
-    stage's share of it), without stage boundaries."""
-    check_fits(spec, layout)
-    params = count_params(spec, layout)
-    routes = routes_per_rank(spec, layout)
-    flops = count_flops(spec, layout, params, routes)
-    w = wire_bytes(spec)
-    # FP8 recipes keep weights, gradients and saved activations in BF16
-    mem_spec = spec.replace(dtype="bf16") if spec.dtype == "fp8" else spec
-    memory = memory_per_rank(mem_spec, layout, params, routes, param_bytes=w.param)
-    return StepCost(spec, layout, hw, params, routes, flops, memory,
-                    layer_calls(spec, layout, hw, routes, a2a_algo, ar_algo),
-                    step_calls(spec, layout, hw, params, ar_algo), compute_efficiency)

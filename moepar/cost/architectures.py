@@ -15,6 +15,8 @@ public config.json fields read the same way. What each reads:
   each family builds them (Qwen2 q/k/v bias, Qwen3 per-head RMSNorm, OLMoE RMSNorm over
   all heads, GLM ``attention_bias`` on q/k/v and ``use_qk_norm``, gpt-oss biases on all
   four projections and one sink logit per head).
+- sliding-window attention: ``sliding_window`` in the layers ``layer_types`` names
+  "sliding_attention" (gpt-oss: every other layer, 128 keys).
 - experts: routed experts of ``moe_intermediate_size`` (Mixtral, OLMoE and gpt-oss:
   ``intermediate_size``), shared experts (DeepSeek/GLM ``n_shared_experts`` x
   ``moe_intermediate_size``; Qwen2 one of ``shared_expert_intermediate_size`` with its
@@ -107,6 +109,10 @@ def spec_fields(config: dict) -> dict:
         f["expert_bias"] = True
     if fam.mtp:
         f["mtp_layers"] = int(_get(config, "num_nextn_predict_layers", default=0))
+    # sliding-window attention where the config names the layers that use it (gpt-oss's layer_types)
+    sliding = sum(1 for t in config.get("layer_types") or () if t == "sliding_attention")
+    if sliding and config.get("sliding_window"):
+        f.update(sliding_window=int(config["sliding_window"]), sliding_layers=sliding)
     return f
 
 
@@ -158,7 +164,8 @@ PRESET_CONFIGS = {
                         num_key_value_heads=16, vocab_size=50304),
     "gpt-oss-120b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_local_experts=128,
                          num_experts_per_tok=4, num_hidden_layers=36, num_attention_heads=64,
-                         num_key_value_heads=8, head_dim=64, vocab_size=201088, attention_bias=True),
+                         num_key_value_heads=8, head_dim=64, vocab_size=201088, attention_bias=True,
+                         sliding_window=128, layer_types=["sliding_attention", "full_attention"] * 18),
 }
 
 

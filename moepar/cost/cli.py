@@ -17,10 +17,10 @@ import sys
 from typing import Callable
 
 from ..tables import fmt_bytes, fmt_time, format_table
-from .accounting import DEFAULT_COMPUTE_EFFICIENCY
 from .architectures import MODEL_TYPES, MODELS, spec_fields_from_file
-from .collectives import ALGOS, OPS, PRESETS, Hardware
-from .model import CostLayout, MoESpec
+from .collectives import ALGOS, OPS, Hardware
+from .presets import PRESETS
+from .model import RECOMPUTE_MODULES, CostLayout, MoESpec
 from .profiles import get_hardware
 from .schedules import SCHEDULES, default_vp
 
@@ -77,7 +77,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--experts", type=int, help="E, experts per layer")
     g.add_argument("--topk", type=int, help="K, experts per token")
     g.add_argument("--tokens", type=int, default=8192, help="T, tokens per micro-batch per TP group (default 8192)")
-    g.add_argument("--dtype", default="bf16", help="activation and weight dtype: bf16 fp16 fp32 fp8")
+    g.add_argument("--dtype", default="bf16", help="activation and weight dtype: bf16 fp16 fp32, or an FP8 recipe: "
+                                                  "fp8 (per-tensor or 1x128 blocks) or mxfp8 (Blackwell's 1x32 blocks)")
     g.add_argument("--capacity-factor", type=float, help="capacity mode (default: dropless)")
     g.add_argument("--min-capacity", type=int, default=4)
     g.add_argument("--pad-to-capacity", action="store_true", help="send E·C rows whatever the routing")
@@ -104,6 +105,15 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "are at most 0.3 of the routes under uniform routing)")
     g.add_argument("--dispatch-dtype", help="dtype of the dispatched rows (default: fp8 with --dtype fp8, else --dtype)")
     g.add_argument("--combine-dtype", help="dtype of the combined rows (default: bf16 with --dtype fp8, else --dtype)")
+    g.add_argument("--recompute", choices=("none", "selective", "full"), default="none",
+                   help="activation recomputation, as Megatron's --recompute-granularity (default none)")
+    g.add_argument("--recompute-modules", help=f"with --recompute selective: the modules recomputed, comma-separated "
+                                               f"({', '.join(RECOMPUTE_MODULES)}; Megatron's default core_attn)")
+    g.add_argument("--max-nodes-per-token", type=int, metavar="M",
+                   help="node-limited routing: each token's experts lie on at most M nodes, sent over the network "
+                        "once per node and forwarded over NVLink (DeepSeek-V3: 4)")
+    g.add_argument("--mtp", action="store_true", help="train the model's multi-token-prediction modules too "
+                                                      "(DeepSeek-V3's one; their compute and memory on the last stage)")
     g.add_argument("--combine-grad-dtype", choices=["fp8"], default=None,
                    help="fp8: the combine's gradient, sent back to the experts' ranks, in FP8 too "
                         "(the layer's combine_grad_dtype; default: the combined rows' dtype)")
@@ -116,9 +126,8 @@ def add_hw_args(p: argparse.ArgumentParser, default: str = "h100") -> None:
     g.add_argument("--gpus-per-node", type=int, help="default: the hardware's")
     g.add_argument("--nics-per-node", type=int, help="default: the hardware's NICs per GPU x --gpus-per-node")
     g.add_argument("--compute-efficiency", type=float,
-                   help=f"fraction of the peak FLOP rate reached (default {DEFAULT_COMPUTE_EFFICIENCY} on a preset: "
-                        f"published MFU of Megatron-Core on H100 is up to 47%%; 1.0 on a calibrated profile, "
-                        f"whose rate is measured)")
+                   help="fraction of the dense peak a large GEMM reaches (default: the GPU generation's measured "
+                        "figure for the dtype, docs/cost.md; 1.0 on a calibrated profile, whose rate is measured)")
     g.add_argument("--a2a", choices=ALGOS["all_to_all"], default="pairwise", help="all-to-all algorithm")
     g.add_argument("--allreduce", choices=ALGOS["all_reduce"], default="auto",
                    help="all-reduce algorithm (default auto: the fastest of ring, tree, NVLS at each size, as NCCL)")
@@ -135,6 +144,9 @@ def add_pipeline_args(g, search: bool = False) -> None:
                         "(Interleaved1F1B), zb (InterleavedZeroBubble), zbv (ZBVZeroBubble), dualpipev (DualPipeV)")
     g.add_argument("--vp", type=int, help="stages per rank (virtual pipeline; default 2 for interleaved, zb, "
                                           "zbv and dualpipev, else 1)")
+    g.add_argument("--a2a-overlap", action="store_true",
+                   help="hide each MoE layer's all-to-alls behind another micro-batch's compute (Megatron's "
+                        "--overlap-moe-expert-parallel-comm, DualPipe's overlapped chunks)")
 
 
 def _positive_arg(name: str, v) -> None:
@@ -191,7 +203,9 @@ def spec_from_args(a: argparse.Namespace, ep: int = 1) -> MoESpec:
             base[k] = v
     if a.plain_mlp:
         base["gated"] = False
-    return MoESpec(tokens=a.tokens, dtype=a.dtype, capacity_factor=a.capacity_factor,
+    modules = tuple(m.strip() for m in a.recompute_modules.split(",") if m.strip()) if a.recompute_modules else ()
+    return MoESpec(recompute=a.recompute, recompute_modules=modules, max_nodes_per_token=a.max_nodes_per_token,
+                   train_mtp=a.mtp, tokens=a.tokens, dtype=a.dtype, capacity_factor=a.capacity_factor,
                    min_capacity=a.min_capacity, pad_to_capacity=a.pad_to_capacity,
                    seq_len=a.seq_len, imbalance=imbalance, micro_batches=a.micro_batches,
                    dedup=getattr(a, "dedup", "auto"), dispatch_dtype=getattr(a, "dispatch_dtype", None),
@@ -237,7 +251,7 @@ def _report(a: argparse.Namespace) -> int:
     hw = hardware_from_args(a)
     # the default 1f1b runs one stage per rank (vp 1): the schedules are asked for the others
     vp = a.vp if a.vp is not None else default_vp(a.schedule)
-    layout = CostLayout(a.gpus, hw.gpus_per_node, a.tp, a.ep, a.etp, a.sp, a.zero, a.pp, vp, a.schedule)
+    layout = CostLayout(a.gpus, hw.gpus_per_node, a.tp, a.ep, a.etp, a.sp, a.zero, a.pp, vp, a.schedule, a.a2a_overlap)
     spec = spec_from_args(a, layout.ep)
     for w in layout.warnings():
         print(f"warning: {w}", file=sys.stderr)
@@ -310,7 +324,8 @@ def _recommend(a: argparse.Namespace) -> int:
     find = parse_find(a.find) if a.find else None
     skipped: list = []
     cands = recommend(spec, a.gpus, hw, None, mem, a.global_tokens, a.compute_efficiency,
-                      zero, a.cross_node_tp, a.a2a, a.allreduce, pps, a.schedule, vp, skipped, redundant)
+                      zero, a.cross_node_tp, a.a2a, a.allreduce, pps, a.schedule, vp, skipped, redundant,
+                      a.a2a_overlap)
     if not cands:
         raise ValueError(f"no layout of {a.gpus} GPUs divides the model (experts={spec.experts}, "
                          f"hidden={spec.hidden}, tokens={spec.tokens})")
@@ -344,7 +359,8 @@ def _recommend(a: argparse.Namespace) -> int:
     total = fit[0].cost.tokens_per_step if fit else cands[0].cost.tokens_per_step
     print(f"{len(cands)} layouts of {a.gpus} GPUs on {hw.name}; {len(fit)} fit in {mem_text} per GPU; "
           f"about {total} tokens per step; ranked by predicted step time with ideal overlap (step; "
-          f"'no overlap' is the upper bound), compute at {cands[0].cost.compute_efficiency:.0%} of peak:")
+          f"'no overlap' is the upper bound), large GEMMs at {cands[0].cost.compute_efficiency:.0%} of the "
+          f"{'FP8' if spec.fp8 and hw.fp8_flops else 'BF16'} peak:")
     if skipped:
         print(f"({len(skipped)} pipelined layouts left out: their micro-batches break the {a.schedule!r} schedule's "
               f"rule at this global batch)")

@@ -55,7 +55,24 @@ def calibrate_main(argv: list[str]) -> int:
     return _guard(_calibrate, p, argv)
 
 
+def _published(a: argparse.Namespace) -> int:
+    """``validate --published``: torch-free, one process (the runs are priced, not measured)."""
+    from .cli import check_output_path
+    from .published_check import published_report, render_all
+    check_output_path(a.markdown, "--markdown")
+    rep = published_report(a.recommend)
+    print(render_all(report=rep))
+    if a.markdown:
+        text = render_all(markdown=True, report=rep)
+        with open(a.markdown, "w") as f:
+            f.write(text + "\n")
+        print(f"wrote {a.markdown}")
+    return 0
+
+
 def _validate(a: argparse.Namespace) -> int:
+    if a.published:
+        return _published(a)
     import torch.distributed as dist
 
     from ..parallel import destroy_parallel
@@ -95,7 +112,8 @@ def _validate(a: argparse.Namespace) -> int:
 
 def validate_main(argv: list[str]) -> int:
     """Predicted vs measured time of real collectives and EP-vs-TP cases (and any registered
-    row source), at sizes calibration did not measure. Run under torchrun after calibrate."""
+    row source), at sizes calibration did not measure. Run under torchrun after calibrate.
+    With --published: the model against published training runs instead (no torchrun)."""
     p = argparse.ArgumentParser(prog="python -m moepar validate", description=validate_main.__doc__)
     p.add_argument("--profile", default="profile.json", help="written by `python -m moepar calibrate`")
     p.add_argument("--repeats", type=int, default=5)
@@ -111,4 +129,9 @@ def validate_main(argv: list[str]) -> int:
     p.add_argument("--min-pick-accuracy", type=float, default=0.90)
     p.add_argument("--check-drift-corrected", action="store_true",
                    help="--check the errors after scaling by the measured drift since calibration")
+    p.add_argument("--published", action="store_true",
+                   help="instead of measuring: price the published MoE training runs (moepar/cost/published.py) at "
+                        "their layouts, predicted against published tokens/s per GPU (one process, no torch)")
+    p.add_argument("--recommend", action="store_true",
+                   help="with --published: also rank each published layout among the layouts recommend searches")
     return _guard(_validate, p, argv)

@@ -47,26 +47,15 @@ sends g-1 messages of S/g instead of n-m messages of S/n: the same inter-node by
 fewer and larger messages (Tutel's 2DH, DeepSpeed-MoE's hierarchical all-to-all), paid
 for by a second pass over NVLink and a second latency.
 
-Machines (``Hardware``): presets with cited public figures, or calibrated JSON profiles
-(``moepar.cost.profiles``, whose ``get_hardware`` takes a preset's name or a profile's path).
-A ``Hardware`` prices a collective with its measured curve when it has one for that (op,
-group size) on one node (a profile written by ``python -m moepar calibrate``), and with the
-two-link model above otherwise: the intra-node link per GPU, and ``nics_per_node`` NICs
-shared by the node's GPUs. Each link carries its line rate and the fraction of it NCCL
-achieves (``Link.efficiency``), from published nccl-tests bus bandwidths. docs/cost.md lists every figure with its source; the short forms:
-
-- line rates per GPU per direction (NVIDIA quotes NVLink as the bidirectional total):
-  NVLink 4 450 GB/s (H100/H200 datasheets, 900 GB/s), H800 NVLink 200 GB/s (400 GB/s),
-  NVLink 5 900 GB/s (B200/GB200, 1.8 TB/s), NVLink 3 300 GB/s (A100, 600 GB/s), PCIe Gen5
-  x16 64 GB/s (128 GB/s); NICs 400 Gb/s NDR = 50 GB/s, 200 Gb/s HDR = 25 GB/s.
-- efficiencies: NVLink 4 370/450 (NVIDIA, nccl-tests issue #212: "~20% protocol overhead,
-  effective NVLink bandwidth of 370GB/s"); NDR 47/50 (NVIDIA, nccl-tests issue #290:
-  "46-48GB/s per NIC"); HDR 24/25 (NVIDIA, nccl issue #812: 192 GB/s all-reduce busbw on
-  DGX A100's 8 x 200 Gb/s); H800 NVLink 160/200 (DeepSeek-V3 report: "NVLink ... 160 GB/s").
-- NVLS all-reduce on 8 H100/H200: busbw ~480 GB/s, algbw ~275 GB/s (nccl-tests #212).
-- Latencies are NCCL's own tuning model (src/graph/tuning.cc, Ring/Simple protocol):
-  3.4 us per step on NVLink, 5.7 us on PCIe, 14 us on the network, 8.4 us base latency
-  per collective. They are model constants, not measurements; ``calibrate`` replaces them.
+Machines (``Hardware``): presets with cited public figures (``moepar.cost.presets``, which
+lists every figure's source), or calibrated JSON profiles (``moepar.cost.profiles``, whose
+``get_hardware`` takes a preset's name or a profile's path). A ``Hardware`` prices a
+collective with its measured curve when it has one for that (op, group size) on one node (a
+profile written by ``python -m moepar calibrate``), and with the two-link model above
+otherwise: the intra-node link per GPU, and ``nics_per_node`` NICs shared by the node's GPUs.
+Each link carries its line rate and the fraction of it NCCL achieves (``Link.efficiency``).
+Latencies are NCCL's own tuning model (src/graph/tuning.cc): model constants, not
+measurements; ``calibrate`` replaces them.
 """
 from __future__ import annotations
 
@@ -287,35 +276,6 @@ FORMULAS = {
 
 # ---- machines -----------------------------------------------------------------------
 
-GB = 1e9
-
-NVLINK_EFF = 370 / 450     # nccl-tests #212: NCCL's effective NVLink 4 rate / line rate
-NDR_EFF = 47 / 50          # nccl-tests #290: 46-48 GB/s per 400 Gb/s NIC
-HDR_EFF = 24 / 25          # nccl #812: 192 GB/s busbw over 8 x 200 Gb/s (DGX A100)
-NVLINK4 = Link("NVLink 4 (NVSwitch)", 450 * GB, 3.4e-6,
-               "900 GB/s bidirectional per GPU, NVIDIA H100/H200 datasheets; 370 GB/s achieved, "
-               "nccl-tests #212; latency: NCCL tuning.cc", NVLINK_EFF)
-NVLINK4_H800 = Link("NVLink 4, H800 (NVSwitch)", 200 * GB, 3.4e-6,
-                    "400 GB/s bidirectional per GPU, NVIDIA H800 datasheet; 160 GB/s achieved, "
-                    "DeepSeek-V3 technical report sec. 3.2.2; latency: NCCL tuning.cc", 160 / 200)
-NVLINK5 = Link("NVLink 5 (NVSwitch)", 900 * GB, 3.4e-6,
-               "1.8 TB/s bidirectional per GPU, NVIDIA DGX B200 / GB200 NVL72; efficiency assumed "
-               "as NVLink 4's (no published nccl-tests figure found); latency: NCCL tuning.cc", NVLINK_EFF)
-NVLINK3 = Link("NVLink 3 (NVSwitch)", 300 * GB, 3.4e-6,
-               "600 GB/s bidirectional per GPU, NVIDIA A100 datasheet; efficiency assumed as NVLink 4's; "
-               "latency: NCCL tuning.cc", NVLINK_EFF)
-PCIE5 = Link("PCIe Gen5 x16", 64 * GB, 5.7e-6,
-             "128 GB/s bidirectional, NVIDIA H100 PCIe product brief; efficiency assumed as NVLink 4's; "
-             "latency: NCCL tuning.cc", NVLINK_EFF)
-IB_NDR = Link("InfiniBand NDR 400 Gb/s NIC", 50 * GB, 14e-6,
-              "400 Gb/s ConnectX-7; 46-48 GB/s achieved, nccl-tests #290; latency: NCCL tuning.cc", NDR_EFF)
-IB_HDR = Link("InfiniBand HDR 200 Gb/s NIC", 25 * GB, 14e-6,
-              "200 Gb/s ConnectX-6 (DGX A100); 192 GB/s over 8, nccl #812; latency: NCCL tuning.cc", HDR_EFF)
-NCCL_BASE_LATENCY = 8.4e-6
-NVLS_H100_ALGBW = 275 * GB    # nccl-tests #212: NVLS all-reduce on 8 H100, algbw ~275 (busbw ~480) GB/s
-MiB = 2 ** 20
-
-
 class MeasuredCurve(Protocol):
     """What ``Hardware`` needs of a measured curve: its time at a size. The calibrated table,
     ``moepar.cost.profiles.Curve``, is one; profiles imports this module, never the reverse."""
@@ -341,6 +301,9 @@ class Hardware:
     nics_per_node: int = 0            # NICs (``inter`` each) per node; 0: one per GPU
     nvls_algbw: float = 0.0           # NVLink SHARP all-reduce algbw inside a node; 0: none
     memory_bandwidth: float = 0.0     # HBM bytes/s per GPU (datasheet); 0: unknown
+    fp8_flops: float = 0.0            # dense FP8 (and MXFP8) FLOP/s per GPU; 0: FP8 GEMMs at ``flops``
+    generation: str = ""              # GPU generation (moepar.cost.compute's efficiency table); "": none
+    nvlink_domain: int = 0            # GPUs one NVLink domain can hold; 0: ``gpus_per_node``
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpus_per_node, int) or self.gpus_per_node < 1:
@@ -353,10 +316,21 @@ class Hardware:
             v = getattr(self, name)
             if not (v > 0 and v < float("inf")):
                 raise ValueError(f"hardware {self.name!r}: {name}={v} must be a finite number > 0")
-        for name in ("nvls_algbw", "memory_bandwidth", "base_latency"):
+        for name in ("nvls_algbw", "memory_bandwidth", "base_latency", "fp8_flops"):
             v = getattr(self, name)
             if not (v >= 0 and v < float("inf")):
                 raise ValueError(f"hardware {self.name!r}: {name}={v} must be a finite number >= 0")
+
+    @property
+    def domain(self) -> int:
+        """GPUs of one NVLink domain (a DGX node's 8, an NVL72 rack's 72); ``gpus_per_node`` of
+        them are used when a run leaves part of it idle (64 of 72)."""
+        return max(self.nvlink_domain, self.gpus_per_node)
+
+    def peak(self, dtype: str) -> float:
+        """Dense FLOP/s of one GPU for GEMMs in ``dtype``: the FP8 rate for fp8 and mxfp8
+        (where the GPU has one), the BF16 rate (``flops``) otherwise."""
+        return self.fp8_flops if dtype in ("fp8", "mxfp8") and self.fp8_flops else self.flops
 
     @property
     def nics(self) -> int:
@@ -399,6 +373,18 @@ class Hardware:
         return link_time(op, placement, nbytes, self.intra, self.inter, algo, self.base_latency,
                          self.nic_share, self.nvls_algbw)
 
+    def node_limited_all_to_all(self, placement: Placement, nbytes: float, inter_fraction: float) -> float:
+        """An all-to-all whose tokens reach each destination node over the network once and are
+        forwarded inside it over NVLink (DeepEP's normal kernels; DeepSeek-V3 report sec. 3.2.2):
+        ``inter_fraction`` of the ``nbytes`` cross the network, (m-1)/m of them NVLink, both at
+        once: a0 + a_x + max((m-1)/m·S/B_i, f·S/b_x). One node: the plain all-to-all."""
+        if placement.nodes == 1 or self.curve_for("all_to_all", placement) is not None:
+            return self.collective_time("all_to_all", placement, nbytes)
+        m = placement.per_node
+        b_x = self.inter.achievable * self.nic_share
+        return (self.base_latency + self.inter.latency
+                + max((m - 1) / m * nbytes / self.intra.achievable, inter_fraction * nbytes / b_x))
+
     def resolve_algo(self, op: str, placement: Placement, nbytes: float, algo: str | None = None) -> str:
         """The algorithm that prices this call: ``auto`` resolved to the fastest concrete one
         (kept as ``auto`` where a measured curve prices it: the backend chose)."""
@@ -410,54 +396,3 @@ class Hardware:
 
     def replace(self, **changes) -> "Hardware":
         return dataclasses.replace(self, **changes)
-
-
-def _preset(name, description, intra, inter, flops_tf, memory_bytes, sources, nics=8, gpus=8,
-            nvls=0.0, hbm_tbps=0.0) -> Hardware:
-    return Hardware(name, description, intra, inter, gpus, flops_tf * 1e12, memory_bytes,
-                    NCCL_BASE_LATENCY, tuple(sources), nics_per_node=nics, nvls_algbw=nvls,
-                    memory_bandwidth=hbm_tbps * 1e12)
-
-
-PRESETS: dict[str, Hardware] = {
-    "h100": _preset("h100", "8x H100 SXM5 80GB per node, NVLink 4 + NVSwitch (NVLS), 8x 400G NDR",
-                    NVLINK4, IB_NDR, 989.5, 81559 * MiB,
-                    ["NVIDIA H100 datasheet: BF16 1,979 TFLOPS with sparsity, NVLink 900 GB/s, 3.35 TB/s HBM3",
-                     "nvidia-smi memory.total of an H100 80GB HBM3: 81,559 MiB (79.6 GiB)",
-                     "DGX H100: 8x ConnectX-7 400 Gb/s InfiniBand NDR (compute fabric)",
-                     "nccl-tests #212, #290: NVLink 370 GB/s, NVLS all-reduce busbw ~480 GB/s, 46-48 GB/s per NIC"],
-                    nvls=NVLS_H100_ALGBW, hbm_tbps=3.35),
-    "h200": _preset("h200", "8x H200 SXM 141GB per node, NVLink 4 + NVSwitch (NVLS), 8x 400G NDR",
-                    NVLINK4, IB_NDR, 989.5, 143771 * MiB,
-                    ["NVIDIA H200 datasheet: BF16 1,979 TFLOPS with sparsity, NVLink 900 GB/s, 4.8 TB/s HBM3e",
-                     "nvidia-smi memory.total of an H200: 143,771 MiB (140.4 GiB; 141 GB marketed)",
-                     "8x 400 Gb/s InfiniBand NDR per node as DGX H100/H200",
-                     "NVLink and NIC efficiencies as H100 (same NVLink 4 and ConnectX-7)"],
-                    nvls=NVLS_H100_ALGBW, hbm_tbps=4.8),
-    "h800": _preset("h800", "8x H800 SXM5 80GB per node, NVLink 400 GB/s + NVSwitch, 8x 400G NDR",
-                    NVLINK4_H800, IB_NDR, 989.5, 81559 * MiB,
-                    ["NVIDIA H800 datasheet: BF16 1,979 TFLOPS with sparsity, NVLink 400 GB/s, 80 GB",
-                     "DeepSeek-V3 technical report (arXiv 2412.19437) sec. 3.2.2: NVLink 160 GB/s, IB 50 GB/s "
-                     "per GPU (8 NICs per node)", "memory as H100 80GB (81,559 MiB)"], hbm_tbps=3.35),
-    "a100": _preset("a100", "8x A100 SXM4 80GB per node, NVLink 3 + NVSwitch, 8x 200G HDR",
-                    NVLINK3, IB_HDR, 312, 80 * GB,
-                    ["NVIDIA A100 datasheet: BF16 312 TFLOPS dense, NVLink 600 GB/s, 80 GB, 2,039 GB/s HBM2e",
-                     "DGX A100: 8x ConnectX-6 200 Gb/s InfiniBand HDR (compute fabric); nccl #812: 192 GB/s"],
-                    hbm_tbps=2.039),
-    "h100-pcie": _preset("h100-pcie", "8x H100 PCIe 80GB per node over PCIe Gen5, 8x 400G NDR",
-                         PCIE5, IB_NDR, 756.5, 80 * GB,
-                         ["NVIDIA H100 PCIe product brief: BF16 1,513 TFLOPS with sparsity, "
-                          "PCIe Gen5 128 GB/s, 80 GB, 2.0 TB/s HBM2e", "400 Gb/s InfiniBand NDR per GPU (assumed)"],
-                         hbm_tbps=2.0),
-    "b200": _preset("b200", "8x B200 180GB per node (DGX B200), NVLink 5 + NVSwitch, 8x 400G NDR",
-                    NVLINK5, IB_NDR, 2250, 180 * GB,
-                    ["HGX B200 (1,000 W): BF16 2,250 TFLOPS dense, 4,500 with sparsity; 8 TB/s HBM3e",
-                     "DGX B200 user guide: 8 B200 with 1,440 GB total, 8x ConnectX-7 400 Gb/s, NVLink 5 "
-                     "1.8 TB/s per GPU"], hbm_tbps=8.0),
-    "gb200-nvl72": _preset("gb200-nvl72", "GB200 NVL72: 72 B200 in one NVLink 5 domain, 400G NDR per GPU",
-                           NVLINK5, IB_NDR, 2500, 186 * GB,
-                           ["GB200 (1,200 W): BF16 2,500 TFLOPS dense; NVL72: 72 GPUs, 13.4 TB HBM3e "
-                            "(186 GB each), 130 TB/s NVLink (1.8 TB/s per GPU), 8 TB/s HBM3e",
-                            "one 400 Gb/s NIC per GPU assumed (as DGX B200; no source found here)"],
-                           nics=72, gpus=72, hbm_tbps=8.0),
-}

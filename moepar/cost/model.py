@@ -17,12 +17,14 @@ import functools
 import math
 
 from ..checks import int_at_least, positive_ints
-from ..moe.dedup_policy import DEDUP_MAX_FRACTION   # the layer's "auto" threshold, priced as it decides
 from ..parallel.layout import Layout
 from .collectives import Placement
 from .schedules import check_pipeline
 
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1, "mxfp8": 1}
+FP8_RECIPES = ("fp8", "mxfp8")   # per-tensor / 1x128-block scaled FP8, and Blackwell's 1x32 MXFP8
+# Megatron-Core's selective-recompute modules (TransformerConfig.recompute_modules)
+RECOMPUTE_MODULES = ("core_attn", "moe_act", "layernorm", "mla_up_proj", "mlp", "moe", "shared_experts")
 
 
 def _positive(**values) -> None:
@@ -90,6 +92,15 @@ class MoESpec:
     shared_gate: bool = False              # Qwen2-MoE: a D -> 1 sigmoid gate on the shared expert
     pos_embeddings: int = 0                # learned position table rows (GPT-2 style)
     mtp_layers: int = 0                    # multi-token-prediction modules (counted apart from total)
+    train_mtp: bool = False                # the MTP modules train too: their compute and memory on the last stage
+    sliding_window: int | None = None      # keys a token attends to in the sliding-window layers (gpt-oss: 128)
+    sliding_layers: int = 0                # of ``layers``, those with sliding-window attention
+    # -- what a training run does beyond the model: activation recomputation (Megatron's names:
+    # none, selective with ``recompute_modules``, full) and node-limited routing (DeepSeek-V3:
+    # each token's experts on at most this many nodes) --
+    recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ()
+    max_nodes_per_token: int | None = None
     # -- collectives of a training step beyond the blocks (the run report counts them) --
     qkv_linears: int = 1                   # column-parallel input linears of attention (fused QKV: 1)
     aux_loss: bool = True                  # the router's load-balancing statistics (moepar.MoE's defaults)
@@ -138,7 +149,20 @@ class MoESpec:
         if self.dedup not in ("auto", "on", "off"):
             raise ValueError(f"dedup={self.dedup!r} must be one of auto, on, off")
         _positive(head_dim=self.head_dim, dense_ffn=self.dense_ffn, q_lora_rank=self.q_lora_rank,
-                  kv_lora_rank=self.kv_lora_rank, qkv_linears=self.qkv_linears)
+                  kv_lora_rank=self.kv_lora_rank, qkv_linears=self.qkv_linears, sliding_window=self.sliding_window,
+                  max_nodes_per_token=self.max_nodes_per_token)
+        _non_negative(sliding_layers=self.sliding_layers)
+        if self.sliding_layers > self.layers or (self.sliding_layers and self.sliding_window is None):
+            raise ValueError(f"sliding_layers={self.sliding_layers} must be <= layers={self.layers} and needs "
+                             f"sliding_window (given {self.sliding_window})")
+        object.__setattr__(self, "recompute_modules", tuple(self.recompute_modules))
+        if self.recompute not in ("none", "selective", "full"):
+            raise ValueError(f"recompute={self.recompute!r} must be one of none, selective, full")
+        bad = [m for m in self.recompute_modules if m not in RECOMPUTE_MODULES]
+        if bad or (self.recompute_modules and self.recompute != "selective"):
+            raise ValueError(f"recompute_modules={self.recompute_modules}: "
+                             + (f"{', '.join(bad)} not among {', '.join(RECOMPUTE_MODULES)}" if bad
+                                else f"modules are for recompute='selective', not {self.recompute!r}"))
         _non_negative(dense_layers=self.dense_layers, qk_nope_dim=self.qk_nope_dim, qk_rope_dim=self.qk_rope_dim,
                       v_head_dim=self.v_head_dim, pos_embeddings=self.pos_embeddings, mtp_layers=self.mtp_layers)
         for name, value, valid in (("attn_bias", self.attn_bias, ("none", "qkv", "all")),
@@ -171,6 +195,18 @@ class MoESpec:
     def b(self) -> int:
         """Bytes per activation (and weight) element."""
         return DTYPE_BYTES[self.dtype]
+
+    @property
+    def fp8(self) -> bool:
+        """An FP8 recipe (fp8 or mxfp8): FP8 GEMMs, dispatch rows and cached linear inputs."""
+        return self.dtype in FP8_RECIPES
+
+    @property
+    def recomputed(self) -> frozenset[str]:
+        """The modules recomputed in the backward (Megatron's names; "full": every layer)."""
+        if self.recompute == "selective":
+            return frozenset(self.recompute_modules or ("core_attn",))   # Megatron's default module
+        return frozenset()
 
     @property
     def fs(self) -> int:
@@ -208,10 +244,10 @@ class WireBytes:
 
 
 def wire_bytes(spec: MoESpec) -> WireBytes:
-    """``--dtype fp8``: FP8 dispatch, BF16 combine, activations, weights and gradients
+    """``--dtype fp8`` (or mxfp8): FP8 dispatch, BF16 combine, activations, weights and gradients
     (DeepSeek-V3 sec. 3.3, Megatron's FP8 recipe); other dtypes: that dtype everywhere.
     ``dispatch_dtype`` / ``combine_dtype`` override the all-to-all rows."""
-    base = DTYPE_BYTES["bf16"] if spec.dtype == "fp8" else spec.b
+    base = DTYPE_BYTES["bf16"] if spec.fp8 else spec.b
     dispatch = DTYPE_BYTES[spec.dispatch_dtype] if spec.dispatch_dtype else spec.b
     combine = DTYPE_BYTES[spec.combine_dtype] if spec.combine_dtype else base
     return WireBytes(base, dispatch, combine, base)
@@ -233,6 +269,7 @@ class CostLayout:
     pp: int = 1
     vp: int = 1
     schedule: str = "1f1b"
+    a2a_overlap: bool = False   # MoE all-to-alls behind another micro-batch's compute (moepar.cost.step)
 
     def __post_init__(self) -> None:
         _positive(gpus=self.gpus, gpus_per_node=self.gpus_per_node, tp=self.tp, ep=self.ep, etp=self.etp,
@@ -241,8 +278,10 @@ class CostLayout:
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero={self.zero} is not a ZeRO stage; valid: 0, 1, 2, 3")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
+            part = [d for d in divisors(self.gpus) if d < self.gpus_per_node][-3:][::-1]
             raise ValueError(f"gpus={self.gpus} is not a whole number of nodes of "
-                             f"gpus_per_node={self.gpus_per_node}")
+                             f"gpus_per_node={self.gpus_per_node}; a node (an NVLink domain) can be used in "
+                             f"part: gpus_per_node {', '.join(map(str, part))} would fit")
         if self.gpus % self.pp:
             raise ValueError(f"gpus={self.gpus} is not divisible by pp={self.pp}: every pipeline stage needs "
                              f"the same number of GPUs; valid pp: {', '.join(map(str, divisors(self.gpus)))}")
@@ -294,6 +333,7 @@ class CostLayout:
 
     def describe(self) -> str:
         pipe = "" if self.pp == 1 else f" | pp={self.pp} {self.schedule}" + (f" vp={self.vp}" if self.vp > 1 else "")
+        pipe += " | a2a overlap" if self.a2a_overlap else ""
         return (f"{self.gpus} GPUs ({self.nodes} node(s) x {min(self.gpus, self.gpus_per_node)}): "
                 f"tp={self.tp} dp={self.dp} | ep={self.ep} etp={self.etp} edp={self.edp} | "
                 f"sp={'on' if self.sp else 'off'} zero={self.zero}{pipe}")
@@ -432,64 +472,3 @@ def count_params(spec: MoESpec, layout: CostLayout) -> Params:
     expert_rank = moe_l * (spec.experts // layout.ep) * (expert // layout.etp)
     return Params(attention, router, norms, expert, shared, embeddings, final_norm, total, active,
                   dense_rank, expert_rank, dense_ffn, input_embedding, mtp)
-
-
-# ---- routes ---------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Routes:
-    """Rows per rank per micro-batch: what it dispatches/receives (mean and most loaded)."""
-
-    local_tokens: int        # T/tp: the TP ranks split the replicated tokens
-    mean: float
-    max: float
-    capacity: int | None     # C rows per expert per sender, capacity mode only
-
-
-def layout_imbalance(spec: MoESpec, layout: CostLayout) -> float:
-    """max/mean routes per EP rank on ``layout``: ``spec.imbalance``, or with per-expert loads
-    or redundant experts the placement plan's (``moepar.cost.replication``)."""
-    if spec.expert_loads is None and not spec.redundant_experts:
-        return spec.imbalance
-    from .replication import replica_plan
-    return replica_plan(spec, layout).imbalance
-
-
-def routes_per_rank(spec: MoESpec, layout: CostLayout) -> Routes:
-    t_local = spec.tokens // layout.tp
-    routes = t_local * spec.topk
-    imbalance = layout_imbalance(spec, layout)
-    if spec.dropless:
-        return Routes(t_local, float(routes), routes * imbalance, None)
-    cap = max(math.ceil(routes / spec.experts * spec.capacity_factor), spec.min_capacity)
-    full = spec.experts * cap   # a receiver gets at most C per local expert from each of ep senders
-    if spec.pad_to_capacity:
-        return Routes(t_local, float(full), float(full), cap)
-    return Routes(t_local, float(min(routes, full)), float(min(routes * imbalance, full)), cap)
-
-
-def dedup_fraction(spec: MoESpec, layout: CostLayout) -> float | None:
-    """Dispatch rows with dedup / routes under uniform top-k routing: the expected number of
-    distinct EP ranks a token's K experts live on, ep·(1 - C(E-L, K)/C(E, K)), over K (L = E/ep).
-    None where the layer sends one row per route: ep = 1, expert TP, K = 1, padded capacity,
-    ``dedup="off"``, or "auto" above DEDUP_MAX_FRACTION (as the layer decides)."""
-    E, K, ep = spec.experts, spec.topk, layout.ep
-    if ep == 1 or layout.etp > 1 or K < 2 or spec.pad_to_capacity or spec.dedup == "off":
-        return None
-    L = E // ep
-    f = ep * (1.0 - math.comb(E - L, K) / math.comb(E, K)) / K
-    return f if spec.dedup == "on" or f <= DEDUP_MAX_FRACTION else None
-
-
-def imbalance_from_counts(tokens_per_expert, ep: int) -> float:
-    """max/mean tokens over EP ranks from measured per-expert counts (experts contiguous)."""
-    counts = [float(c) for c in tokens_per_expert]
-    if not counts or len(counts) % ep:
-        raise ValueError(f"{len(counts)} expert counts are not divisible by ep={ep}")
-    per = len(counts) // ep
-    loads = [sum(counts[i * per:(i + 1) * per]) for i in range(ep)]
-    mean = sum(loads) / ep
-    if mean <= 0:
-        raise ValueError("routing counts sum to 0: no tokens were routed")
-    return max(loads) / mean
-

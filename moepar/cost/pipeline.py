@@ -26,7 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from .accounting import DEFAULT_COMPUTE_EFFICIENCY, Call, Memory, StepCost, count_flops, price_stage
+from .accounting import Call, count_flops
+from .step import StepCost, price_stage
 from .collectives import P2P, Hardware, Placement, sent_bytes
 from .model import CostLayout, MoESpec, count_params, wire_bytes
 from .schedules import (bubble_fraction, bubble_units, check_pipeline, chunk_bounds, chunk_rank,
@@ -63,7 +64,9 @@ def stage_spec(spec: MoESpec, layout: CostLayout, stage: int) -> MoESpec:
     moe = sum(spec.is_moe(i) for i in ids)
     chunks = rank_chunks(layout, stage)
     last = layout.pp * layout.vp - 1
-    return spec.replace(layers=len(ids), dense_layers=len(ids) - moe, moe_layer_ids=None,
+    # sliding-window layers spread over the stages in proportion (gpt-oss alternates them)
+    sliding = round(spec.sliding_layers * len(ids) / spec.layers)
+    return spec.replace(layers=len(ids), dense_layers=len(ids) - moe, moe_layer_ids=None, sliding_layers=sliding,
                         first_stage=0 in chunks, last_stage=last in chunks)
 
 
@@ -140,8 +143,6 @@ def stage_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, stage: int,
     """One pipeline rank's ``StepCost``: its blocks, its stage's groups, its boundaries, its
     activations in flight, and the schedule's bubble."""
     check_stages(spec, layout)
-    if compute_efficiency is None:
-        compute_efficiency = 1.0 if hw.calibrated else DEFAULT_COMPUTE_EFFICIENCY
     sspec = stage_spec(spec, layout, stage)
     priced = {} if _priced is None else _priced    # stages with the same blocks price alike
     if sspec not in priced:
@@ -149,8 +150,9 @@ def stage_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, stage: int,
     cost = priced[sspec]
     keep = in_flight(layout.schedule, layout.pp, spec.micro_batches, layout.vp, stage)
     mem = cost.memory
-    memory = Memory(mem.weights, mem.grads, mem.optimizer, mem.activations * keep, mem.replica_weights * keep,
-                    mem.replica_grads)
+    # the logits live one micro-batch (its backward follows at once), all of them under GPipe
+    memory = dataclasses.replace(mem, activations=mem.activations * keep, replica_weights=mem.replica_weights * keep,
+                                 head=mem.head * (keep if layout.schedule == "gpipe" else 1))
     return dataclasses.replace(cost, memory=memory, p2p=tuple(p2p_calls(sspec, layout, hw, stage)),
                                bubble_units=bubble_units(layout.schedule, layout.pp, layout.vp))
 
@@ -184,11 +186,10 @@ def pipeline_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_effic
 def step_cost(spec: MoESpec, layout: CostLayout, hw: Hardware, compute_efficiency: float | None = None,
               a2a_algo: str = "pairwise", ar_algo: str = "auto") -> StepCost:
     """Check the layout against the model, then price everything for one step.
-    ``compute_efficiency`` defaults to DEFAULT_COMPUTE_EFFICIENCY on a preset's peak FLOP
-    rate and to 1.0 on a calibrated profile, whose rate is a measured matmul rate."""
-    if compute_efficiency is None:
-        compute_efficiency = 1.0 if hw.calibrated else DEFAULT_COMPUTE_EFFICIENCY
-    if not 0 < compute_efficiency <= 1:
+    ``compute_efficiency`` (default: the hardware generation's large-GEMM efficiency per dtype,
+    ``moepar.cost.compute``; 1.0 on a calibrated profile, whose rate is a measured matmul rate)
+    replaces that figure."""
+    if compute_efficiency is not None and not 0 < compute_efficiency <= 1:
         raise ValueError(f"compute_efficiency={compute_efficiency} must be in (0, 1] "
                          f"(the fraction of the peak FLOP rate reached)")
     if layout.pp > 1:

@@ -18,7 +18,8 @@ import math
 import os
 from typing import Mapping, Sequence
 
-from .collectives import PRESETS, Hardware, Link, bus_factor, check_op
+from .collectives import Hardware, Link, bus_factor, check_op
+from .presets import PRESETS
 
 PROFILE_FORMAT = "moepar-profile/1"
 

@@ -3,9 +3,11 @@ receive cap, expert-TP and a larger EP group). Torch-free; arithmetic in ``repli
 from __future__ import annotations
 
 from ..tables import fmt_bytes, fmt_time, format_table
-from .accounting import StepCost, calls_per_step
+from .accounting import calls_per_step
+from .step import StepCost
 from .pipeline import step_cost
-from .model import layout_imbalance, wire_bytes
+from .model import wire_bytes
+from .routes import layout_imbalance
 from .replication import expert_slice_params, receive_cap_drops, replica_plan
 
 REPLICA_CALLS = ("MoE replica weights", "MoE replica grads")

@@ -25,10 +25,11 @@ import math
 from typing import Sequence
 
 from ..tables import fmt_bytes, fmt_count, fmt_rate, fmt_time, format_table
-from .accounting import StepCost
+from .step import StepCost
 from .pipeline import step_cost
 from .collectives import Hardware, Link, Placement, sent_bytes
-from .model import CostLayout, MoESpec, layout_imbalance
+from .model import CostLayout, MoESpec
+from .routes import layout_imbalance
 
 
 # ---- EP against TP for the same FFN --------------------------------------------------------
@@ -179,7 +180,8 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
                  "per": c.per} for c in cs]
 
     sizes = list(compare_sizes or _group_sizes(lay.gpus))
-    a2a = [c.algo for c in cost.layer if c.op == "all_to_all"]
+    # the EP-vs-TP table prices plain all-to-alls (a node-limited one is the model's routing, not an algorithm)
+    a2a = [c.algo for c in cost.layer if c.op == "all_to_all" and c.algo in ("pairwise", "hierarchical")]
     kw = dict(gpus_per_node=lay.gpus_per_node, dtype_bytes=s.b, a2a_algo=a2a[0] if a2a else "pairwise",
               ar_algo=ar_algo)
     t_gpu = s.tokens // lay.tp          # the layer table's T/tp tokens per GPU: rows (T/tp)·K
@@ -231,7 +233,10 @@ def build_report(cost: StepCost, compare_sizes: Sequence[int] | None = None, ar_
                  "comm_per_step": cost.comm_per_step, "compute_per_step": cost.compute_per_step,
                  "step": cost.step_time, "step_overlapped": cost.step_time_overlapped,
                  "grad_reduction": cost.grad_reduction, "hidden_grad_reduction": cost.hidden_grad_reduction,
-                 "hidden_shared_experts": cost.hidden_shared_experts,
+                 "hidden_shared_experts": cost.hidden_shared_experts, "hidden_a2a": cost.hidden_a2a,
+                 "weight_gathers": cost.weight_gathers, "hidden_weight_gathers": cost.hidden_weight_gathers,
+                 "optimizer": cost.optimizer_time, "terms": cost.terms(),
+                 "compute": None if cost.compute is None else dataclasses.asdict(cost.compute),
                  "bubble": cost.bubble_time, "p2p_per_step": cost.p2p_per_microbatch * mb,
                  "hidden_p2p": cost.hidden_p2p, "microbatch": cost.microbatch_time,
                  "compute_efficiency": cost.compute_efficiency, "layers": L, "micro_batches": mb,
@@ -298,15 +303,18 @@ def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
          "value": f"{fmt_bytes(M['total'])} / {fmt_bytes(M['capacity'])} ({'fits' if M['fits'] else 'DOES NOT FIT'})"},
         {"quantity": "communication per layer (fwd / bwd)",
          "value": f"{fmt_time(T['layer_fwd'])} / {fmt_time(T['layer_bwd'])}"},
-        {"quantity": f"per step: comm / compute (at {T['compute_efficiency']:.0%} of peak) / total, no overlap",
+        {"quantity": f"per step: comm / compute (large GEMMs at {T['compute_efficiency']:.0%} of peak) / total, "
+                     f"no overlap",
          "value": f"{fmt_time(T['comm_per_step'])} / {fmt_time(T['compute_per_step'])} / {fmt_time(T['step'])}"},
         *([{"quantity": "pipeline: bubble / stage-boundary transfers per step (p2p hidden with overlap)",
             "value": f"{fmt_time(T['bubble'])} / {fmt_time(T['p2p_per_step'])} ({fmt_time(T['hidden_p2p'])})"}]
           if rep["pipeline"] else []),
-        {"quantity": "per step, ideal overlap (dp gradients behind backward, shared experts behind all-to-all)",
+        {"quantity": "per step, ideal overlap (dp gradients and weights behind compute, all-to-all behind shared "
+                     "experts or, with --a2a-overlap, another micro-batch)",
          "value": f"{fmt_time(T['step_overlapped'])} (hides {fmt_time(T['hidden_grad_reduction'])} of "
-                  f"{fmt_time(T['grad_reduction'])} gradient reduction, {fmt_time(T['hidden_shared_experts'])} "
-                  f"of all-to-all)"},
+                  f"{fmt_time(T['grad_reduction'])} gradient reduction, {fmt_time(T['hidden_weight_gathers'])} of "
+                  f"{fmt_time(T['weight_gathers'])} weight gathers, "
+                  f"{fmt_time(T['hidden_shared_experts'] + T['hidden_a2a'])} of all-to-all)"},
         {"quantity": f"MFU, no overlap / ideal overlap ({fmt_count(T['tokens_per_step'])} tokens per step)",
          "value": f"{T['mfu']:.1%} / {T['mfu_overlapped']:.1%}"},
         {"quantity": "tokens/s per GPU, no overlap / ideal overlap",
@@ -325,7 +333,11 @@ def _tables(rep: dict) -> list[tuple[str, list[dict]]]:
                  "EP/TP": f"{c['ratio']:.3g}", "faster": c["winner"],
                  "EP faster for K <": (f"any K <= {rep['ep_vs_tp']['experts']}" if c["ep_faster_for_every_topk"]
                                        else f"{c['k_star']:.3g}")} for c in rep["ep_vs_tp"]["rows"]]
+    total = sum(T["terms"].values()) or 1.0
+    terms = [{"term": k, "per step": fmt_time(v), "share": f"{v / total:.1%}"}
+             for k, v in sorted(T["terms"].items(), key=lambda kv: -kv[1]) if v > 0]
     return [("Summary", summary),
+            ("What the step is made of (ideal overlap; largest first)", terms),
             ("Collectives per layer and micro-batch (most loaded rank)", call_rows(rep["layer_collectives"])),
             ("Collectives per step (data parallel)", call_rows(rep["step_collectives"])),
             *([("Point-to-point per micro-batch (pipeline stage boundaries of the slowest stage)",

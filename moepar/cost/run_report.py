@@ -38,7 +38,8 @@ from ..tables import fmt_bytes, fmt_time, format_table
 from .accounting import calls_per_step
 from .pipeline import step_cost
 from .collectives import Hardware, Placement
-from .model import CostLayout, MoESpec, dedup_fraction, wire_bytes
+from .model import CostLayout, MoESpec, wire_bytes
+from .routes import dedup_fraction
 from .pipeline import check_stages, stage_cost
 from .replication import expert_slice_params
 

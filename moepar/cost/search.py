@@ -9,7 +9,7 @@ import math
 
 from .. import checks
 from ..tables import fmt_bytes, fmt_time, format_table
-from .accounting import StepCost
+from .step import StepCost
 from .pipeline import step_cost
 from .collectives import Hardware
 from .model import CostLayout, MoESpec, divisors
@@ -29,7 +29,7 @@ def pipeline_sizes(spec: MoESpec, gpus: int, vp: int = 1) -> list[int]:
 
 def candidate_layouts(spec: MoESpec, gpus: int, gpus_per_node: int, zero_stages=(0, 1, 2, 3),
                       cross_node_tp: bool = False, pp_sizes=(1,), schedule: str = "1f1b",
-                      vp: int = 1) -> list[CostLayout]:
+                      vp: int = 1, a2a_overlap: bool = False) -> list[CostLayout]:
     """Layouts of ``gpus`` whose sizes divide the model; TP and expert-TP stay inside a
     node unless ``cross_node_tp``; ``pp_sizes`` pipeline sizes (``schedule`` with ``vp``
     stages per rank where pp > 1)."""
@@ -40,7 +40,7 @@ def candidate_layouts(spec: MoESpec, gpus: int, gpus_per_node: int, zero_stages=
             continue
         for tp, ep, etp, sp, zero in _stage_layouts(spec, stage, gpus_per_node, zero_stages, cross_node_tp):
             out.append(CostLayout(gpus, gpus_per_node, tp, ep, etp, sp, zero, pp, vp if pp > 1 else 1,
-                                  schedule if pp > 1 else "1f1b"))
+                                  schedule if pp > 1 else "1f1b", a2a_overlap))
     return out
 
 
@@ -84,7 +84,7 @@ def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None 
               compute_efficiency: float | None = None, zero_stages=(0, 1, 2, 3),
               cross_node_tp: bool = False, a2a_algo: str = "pairwise", ar_algo: str = "auto",
               pp_sizes=(1,), schedule: str = "1f1b", vp: int = 1,
-              skipped: list | None = None, redundant=(0,)) -> list[Candidate]:
+              skipped: list | None = None, redundant=(0,), a2a_overlap: bool = False) -> list[Candidate]:
     """Every layout of ``gpus`` ranked by predicted step time with ideal overlap (both
     bounds are on each candidate's ``cost``), those that fit in ``memory_bytes`` first. The
     global batch is fixed at ``global_tokens`` (default ``DEFAULT_GLOBAL_TOKENS`` or
@@ -103,7 +103,7 @@ def recommend(spec: MoESpec, gpus: int, hw: Hardware, gpus_per_node: int | None 
     hw = (hw if gpn == hw.gpus_per_node else hw.with_gpus_per_node(gpn)).replace(memory_bytes=mem)
     total = global_tokens or max(DEFAULT_GLOBAL_TOKENS, spec.tokens * spec.micro_batches * gpus)
     out = []
-    for layout in candidate_layouts(spec, gpus, gpn, zero_stages, cross_node_tp, pp_sizes, schedule, vp):
+    for layout in candidate_layouts(spec, gpus, gpn, zero_stages, cross_node_tp, pp_sizes, schedule, vp, a2a_overlap):
         per_replica = total / layout.dp
         t = min(spec.tokens, max(layout.tp, int(per_replica) // layout.tp * layout.tp))
         s = spec.replace(tokens=t, micro_batches=max(1, math.ceil(per_replica / t)))

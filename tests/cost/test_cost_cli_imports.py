@@ -1,5 +1,5 @@
 """The cost model's commands run without torch: ``python -m moepar price | report |
-recommend`` (and their --help) leave torch and triton unimported, so they work where torch is
+recommend`` and ``validate --published`` (and their --help) leave torch and triton unimported, so they work where torch is
 not installed and start quickly; ``moepar``'s public names, now imported on first use, still
 resolve. Each check runs in a fresh interpreter: this one has torch loaded already."""
 import json
@@ -37,6 +37,7 @@ COMMANDS = {
     "report": "report --hf-config tests/data/qwen3-30b-a3b.json --tokens 4096 --gpus 16 --ep 8 --hardware h100",
     "recommend": "recommend --model mixtral-8x7b --tokens 4096 --gpus 64 --hardware h100",
     "price --help": "price --help",
+    "validate --published": "validate --published",
 }
 
 

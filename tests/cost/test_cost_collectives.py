@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from moepar.cost.collectives import PRESETS, Hardware, Link, Placement, bus_factor, busbw, link_time, sent_bytes
+from moepar.cost.presets import PRESETS
+from moepar.cost.collectives import Hardware, Link, Placement, bus_factor, busbw, link_time, sent_bytes
 from moepar.cost.profiles import Curve, fit_alpha_beta, get_hardware, isotonic, load_profile, save_profile
 from moepar.cost.report import crossover_topk, ep_vs_tp, sweep
 

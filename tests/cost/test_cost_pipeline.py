@@ -56,7 +56,7 @@ def test_step_time_adds_the_bubble_of_the_slowest_stage():
     c = step_cost(spec(), lay, H100)
     assert c.pipeline.bubble_fraction == pytest.approx(1 / 9)
     assert c.bubble_time == pytest.approx(1 * c.microbatch_time)
-    assert c.step_time == pytest.approx(c.comm_per_step + c.compute_per_step + c.bubble_time)
+    assert c.step_time == pytest.approx(c.comm_per_step + c.compute_per_step + c.bubble_time + c.optimizer_time)
     assert c.microbatch_time == max(s.microbatch_time for s in c.pipeline.stages)
 
 
@@ -142,7 +142,7 @@ def test_1f1b_keeps_p_micro_batches_on_the_first_stage_and_params_split():
     c1 = step_cost(s, lay1, H100)
     st0 = stage_cost(s, lay4, H100, 0)
     st3 = stage_cost(s, lay4, H100, 3)
-    from moepar.cost.accounting import price_stage
+    from moepar.cost.step import price_stage
     one = price_stage(stage_spec(s, lay4, 0), lay4, H100, 0.45)   # one micro-batch's activations
     assert st0.memory.activations == pytest.approx(4 * one.memory.activations)
     assert st3.memory.activations < st0.memory.activations

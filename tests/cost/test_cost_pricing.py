@@ -81,10 +81,10 @@ def test_fp8_dispatches_fp8_and_combines_bf16():
 def test_overlap_bound_hides_gradients_behind_backward_and_all_to_all_behind_shared_experts():
     spec = mixtral(micro_batches=2, shared_experts=1, shared_ffn=4096)
     cost = step_cost(spec, CostLayout(16, 8, tp=2, ep=8), H100)
-    assert cost.compute_efficiency == 0.45                      # published MFU, not 1.0
-    rate = 989.5e12 * 0.45
+    assert cost.compute_efficiency == pytest.approx(794.5 / 989)   # H100's measured large BF16 GEMM, not 1.0
+    rate = 989.5e12 * 794.5 / 989
     grads = sum(c.total_seconds for c in cost.step if "grads" in c.name)
-    bwd_one = cost.flops.rank_max * 4 / 6 / rate               # ZeRO 0: the last micro-batch's backward
+    bwd_one = cost.compute.backward                             # ZeRO 0: the last micro-batch's backward
     assert cost.hidden_grad_reduction == pytest.approx(min(grads, bwd_one))
     # the layer computes the shared experts' forward while the dispatch all-to-all is in
     # flight: only that one call can hide them (not the combine, not the backward)
@@ -92,6 +92,7 @@ def test_overlap_bound_hides_gradients_behind_backward_and_all_to_all_behind_sha
     dispatch = [c.total_seconds for c in cost.layer if c.name == "MoE dispatch"]
     assert len(dispatch) == 1
     assert cost.hidden_shared_experts == pytest.approx(min(dispatch[0], shared_fwd) * 32 * 2)
+    assert cost.hidden_a2a == 0 and cost.weight_gathers == 0          # no --a2a-overlap; ZeRO 0 gathers nothing
     assert cost.step_time_overlapped == pytest.approx(cost.step_time - cost.hidden_grad_reduction
                                                       - cost.hidden_shared_experts)
     assert 0 < cost.step_time_overlapped < cost.step_time
@@ -141,14 +142,19 @@ def test_recommend_refuses_bad_values():
         recommend(mixtral(), 16, H100, memory_bytes=0)
 
 
-def test_compute_efficiency_defaults_to_published_mfu_on_presets_and_1_on_measured_profiles():
+def test_compute_efficiency_defaults_to_the_generations_gemm_rate_on_presets_and_1_on_measured_profiles():
     from moepar.cost.collectives import Hardware, Link
     from moepar.cost.profiles import Curve
     spec, lay = MoESpec(hidden=64, ffn=128, experts=4, topk=2, tokens=64), CostLayout(4, 4, ep=4)
-    assert step_cost(spec, lay, H100).compute_efficiency == 0.45
+    assert step_cost(spec, lay, H100).compute_efficiency == pytest.approx(794.5 / 989)
+    assert step_cost(spec.replace(dtype="fp8"), lay, H100).compute_efficiency == pytest.approx(1402.6 / 1979)
+    given = step_cost(spec, lay, H100, 0.45)                               # --compute-efficiency replaces it
+    assert given.compute_efficiency == 0.45 and given.compute.dense_gemm > step_cost(spec, lay, H100).compute.dense_gemm
     link = Link("gloo measured", 1e9, 50e-6)
     curve = Curve("all_to_all", 4, (1024, 4096), (1e-4, 2e-4), 5e-5, 1e-8)
     measured = Hardware("gloo", "measured", link, link, 4, 1e10, 8e9, curves={("all_to_all", 4): curve})
-    assert step_cost(spec, lay, measured).compute_efficiency == 1.0        # its rate is a measured matmul rate
+    m = step_cost(spec, lay, measured)
+    assert m.compute_efficiency == 1.0 and m.compute is None              # its rate is a measured matmul rate
+    assert m.compute_per_step == pytest.approx(m.flops.rank_max / 1e10)   # FLOPs at that rate, as before
     with pytest.raises(ValueError, match="compute_efficiency=nan must be in"):
         step_cost(spec, lay, H100, float("nan"))

@@ -11,7 +11,7 @@ from moepar.__main__ import main
 from moepar.cost import CostLayout, MoESpec, get_hardware, step_cost
 from moepar.cost.accounting import calls_per_step
 from moepar.cost.architectures import MODELS
-from moepar.cost.model import imbalance_from_counts, routes_per_rank
+from moepar.cost.routes import imbalance_from_counts, routes_per_rank
 from moepar.cost.replication import (expert_slice_params, receive_cap_drops, replica_copies_per_forward,
                                      replica_plan, replica_received, replica_sent, zipf_loads)
 from moepar.cost.run_report import compare_run
