@@ -174,41 +174,14 @@ def test_the_split_is_the_best_for_its_slot_map():
         assert max(p.rank_loads()) <= best * (1 + 1e-9) + 1e-12, (loads, E, R, ep, p.slots)
 
 
-def test_copies_stay_on_distinct_ranks_when_the_greedy_would_crowd_them(monkeypatch):
-    # with these copy counts, least-loaded-first would leave expert 5's three copies
-    # fewer than three ranks with a free slot; the packer must see that coming
-    counts = [1, 1, 1, 1, 2, 3]
-    refused, realizable = [], P._realizable
-
-    def spy(demands, free):
-        ok = realizable(demands, free)
-        refused.extend([] if ok else [free])
-        return ok
-
-    monkeypatch.setattr(P, "_copy_counts", lambda loads, R, ep: counts)
-    monkeypatch.setattr(P, "_realizable", spy)
-    held = P._pack_eplb([2.0, 5.0, 1.0, 3.0, 2.0, 3.0], 3, 3, 3, 3)
-    assert refused, "the case no longer reaches the fallback"
-    assert all(len(set(h)) == len(h) == 3 for h in held), held
-    assert [sum(e in h for h in held) for e in range(6)] == counts
-
-
-def test_realizable_is_gale_ryser():
-    assert P._realizable([2, 1], [2, 1])
-    assert not P._realizable([2], [2, 0])
-    assert not P._realizable([3, 3, 1, 1], [4, 4, 0])
-    assert P._realizable([3, 3, 1, 1], [3, 3, 2])
-
-
-@pytest.mark.parametrize("R", [4, 8])
-def test_ranks_per_node_keeps_an_experts_copies_in_one_node(R):
+def test_ranks_per_node_keeps_an_experts_copies_in_one_node():
     loads = zipf_loads(16, 1.0)
-    spans = {}
-    for rpn in (None, 2):
+    spans = {None: [], 2: []}
+    for R, rpn in itertools.product((4, 8), (None, 2)):
         p = plan_placement(loads, 16, R, 4, ranks_per_node=rpn)
         _check_invariants(p, loads, 16, R, 4)
         assert p.max_over_mean() <= 1.15
-        spans[rpn] = [e for e, cs in enumerate(p.copies) if len(cs) <= 2 and len({c.rank // 2 for c in cs}) > 1]
+        spans[rpn] += [e for e, cs in enumerate(p.copies) if len(cs) <= 2 and len({c.rank // 2 for c in cs}) > 1]
     assert spans[2] == [], spans
     assert spans[None], "without ranks_per_node some expert's two copies span both nodes"
 
