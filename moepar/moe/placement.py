@@ -163,6 +163,36 @@ def _built(loads: list[float], X: int, ep: int, node: int, owners: bool) -> Plac
     return _build(loads, fill.held, fill.share())
 
 
+def placement_values(placement: Placement) -> list[float]:
+    """``placement`` as one flat list of numbers: every rank's slots (expert ids, by rank, in
+    ``slots`` order), then each slot's share. ``placement_from_values`` rebuilds it exactly, so
+    a plan made on one rank reaches the others in one numeric collective."""
+    ids = [float(e) for held in placement.slots for e in held]
+    share = {(c.rank, c.slot): c.share for copies in placement.copies for c in copies}
+    return ids + [share[r, i] for r, held in enumerate(placement.slots) for i in range(len(held))]
+
+
+def placement_from_values(loads: Sequence[float], num_experts: int, redundant_experts: int, ep_size: int,
+                          values: Sequence[float]) -> Placement:
+    """The ``Placement`` that ``placement_values`` flattened, for ``loads`` (the load it was
+    planned from). ValueError when ``values`` is not such a list."""
+    loads = check_placement_args(loads, num_experts, redundant_experts, ep_size)
+    E, H = num_experts, (num_experts + redundant_experts) // ep_size
+    n = ep_size * H
+    if len(values) != 2 * n:
+        raise ValueError(f"len(values)={len(values)} must be 2 x ep_size x slots per rank = {2 * n}")
+    held = [[int(v) for v in values[r * H:(r + 1) * H]] for r in range(ep_size)]
+    shares = [float(v) for v in values[n:]]
+    for r, h in enumerate(held):
+        if h != sorted(set(h)) or not all(0 <= e < E for e in h) or any(float(e) != values[r * H + i]
+                                                                          for i, e in enumerate(h)):
+            raise ValueError(f"values: rank {r}'s slots {values[r * H:(r + 1) * H]} must be distinct expert ids "
+                             f"in [0, {E}), ascending")
+    if {e for h in held for e in h} != set(range(E)):
+        raise ValueError(f"values: every expert of {E} must hold a slot")
+    return _build(loads, held, {(e, r): shares[r * H + i] for r, h in enumerate(held) for i, e in enumerate(h)})
+
+
 def split_counts(count: int, shares: Sequence[float]) -> tuple[int, ...]:
     """``count`` routes split among copies with ``shares`` (normalised by their sum): each
     copy gets floor(count x share), and the routes left over go one each to the largest
