@@ -276,3 +276,20 @@ def test_the_docs_table_is_what_the_function_prints(capsys):
     with open(os.path.join(ROOT, "docs", "routing.md")) as f:
         page = f.read()
     assert printed in page, "docs/routing.md's placement table is stale: rerun python -m moepar.moe.placement"
+
+
+def test_a_placement_travels_as_numbers_and_comes_back_equal():
+    rng = random.Random(6)
+    for _ in range(40):
+        loads, E, R, ep, rpn = _random_case(rng)
+        p = plan_placement(loads, E, R, ep, ranks_per_node=rpn)
+        values = P.placement_values(p)
+        assert all(isinstance(v, float) for v in values) and len(values) == 2 * (E + R)
+        assert P.placement_from_values(loads, E, R, ep, values) == p
+    p = plan_placement([3.0] * 8, 8, 4, 4)
+    good = P.placement_values(p)
+    for bad, match in ((good[:-1], r"len\(values\)=23 must be 2 x ep_size x slots per rank = 24"),
+                       ([good[1], good[0]] + good[2:], r"rank 0's slots .* ascending"),
+                       ([0.5] + good[1:], r"rank 0's slots"), ([8.0] + good[1:], r"in \[0, 8\)")):
+        with pytest.raises(ValueError, match=match):
+            P.placement_from_values([3.0] * 8, 8, 4, 4, bad)
