@@ -15,6 +15,7 @@ EP rank holds; one level of the packing fills ``bins`` (ranks or nodes) of ``slo
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 
@@ -85,12 +86,48 @@ def _stream(fillers: list[tuple[int, float]], res: list[float], loose: set[int],
     return left + fillers[fi + 1:]
 
 
+def _even(out: list[list], load: list[float], caps: list[int], eps: float, rounds: int = 200) -> None:
+    """Swaps (or moves, where the lighter bin has room) whole items between the heaviest bin
+    and the lightest one that gains from it, in place: each step takes the pair whose
+    difference is closest to half the gap, so the heavier of the two bins drops most. Stops
+    when no such pair lowers the heaviest bin, or after ``rounds`` steps."""
+    for _ in range(rounds):
+        hi = max(range(len(out)), key=lambda b: (load[b], -b))
+        done = False
+        for lo in sorted(range(len(out)), key=lambda b: (load[b], b)):
+            gap = load[hi] - load[lo]
+            if gap <= eps:
+                break
+            lows = sorted((a, i) for i, (_, a) in enumerate(out[lo]))
+            if len(out[lo]) < caps[lo]:
+                lows.insert(0, (0.0, -1))   # a move: the lighter bin takes an item for nothing
+            best = None
+            for j, (_, a) in enumerate(out[hi]):
+                at = bisect.bisect_left(lows, (a - gap / 2, -2))
+                for b, i in lows[max(at - 1, 0):at + 1]:
+                    step = a - b
+                    if eps < step < gap - eps and (best is None or abs(step - gap / 2) < abs(best[0] - gap / 2)):
+                        best = (step, j, i)
+            if best is not None:
+                step, j, i = best
+                item = out[hi].pop(j)
+                if i >= 0:
+                    out[hi].append(out[lo].pop(i))
+                out[lo].append(item)
+                load[hi] -= step
+                load[lo] += step
+                done = True
+                break
+        if not done:
+            return
+
+
 def _attempt(order: list[tuple[int, float]], f: int, bins: int, slots: int, eps: float):
     """The ``f`` heaviest items as fillers, the rest whole: pieces per bin and the largest bin
     total, or None when the whole items do not fit or a filler finds no slot. The f - 1 bins
     where a filler ends keep two slots (``loose``), the others one; the whole items go
     largest first to the least-loaded bin with room (LPT), so a loose bin, one item short,
-    keeps a large residual to land an end in."""
+    keeps a large residual to land an end in. With no filler, swaps even the bins (``_even``)."""
     fillers, whole = order[:f], order[f:]
     n_loose = max(f - 1, 0)
     if n_loose > bins:
@@ -101,6 +138,8 @@ def _attempt(order: list[tuple[int, float]], f: int, bins: int, slots: int, eps:
         return None
     loose = set(range(bins - n_loose, bins))
     out, load = _lpt(whole, caps)
+    if not f:   # nothing to even the bins out afterwards: even them by swaps
+        _even(out, load, caps, eps)
     if f:
         filled = level(load, math.fsum(a for _, a in fillers))
         for e, q in _stream(fillers, [max(0.0, filled - x) for x in load], loose, out, slots, eps):
@@ -173,9 +212,10 @@ def construct(loads: list[float], X: int, ep: int, node: int, node_slack: float 
     items = list(enumerate(loads))
     home = E // ep
     if 1 < node < ep:
-        # a node keeps node - 1 slots for the crossings of its own ranks' stream; the fewest
-        # fillers that even the nodes out (no owner rule): only they span nodes
-        per_node = pack_level(items, ep // node, node * H - node + 1, node_slack)
+        # a node keeps node - 1 slots for the crossings of its own ranks' stream; whole experts
+        # evened out by swaps win when within node_slack (no expert spans nodes, and each
+        # owner sends fewest), else only the node level's fillers span nodes
+        per_node = pack_level(items, ep // node, node * H - node + 1, node_slack, lambda e: e // home)
         if per_node is None:
             return None
         ranks = []

@@ -5,14 +5,14 @@ Called at a step boundary (after ``optimizer.step()``), on every rank of the mod
 It issues one all-reduce of every layer's measured routes ([layers, E] int64) over the
 ranks that hold these layers (the pipeline stage's group) and reads it once. Each rank of
 the group then plans its share of the layers with ``plan_placement`` (planned layer j on
-the group's rank j mod n), and a second all-reduce ([layers, 1 + 2 x ep x H] float64,
+the group's rank j mod n), and a second all-reduce ([layers, 1 + 2 x (E + X)] float64,
 every row filled by one rank, zeros elsewhere, so the sum is exact) hands every rank every
 plan, bit for bit; a stage with fewer than SPREAD_SLOTS expert slots in all plans every
 layer on every rank instead (no second collective). The slot maps are used from the next
 forward on. No parameter and no optimizer state moves: the experts' owners never change
 (the copies are rebuilt each forward), so the optimizer needs no call here.
 
-Legend (docs/moe.md): E logical experts, H expert slots one EP rank holds.
+Legend (docs/moe.md): E logical experts, X redundant expert slots in all.
 """
 from __future__ import annotations
 
@@ -59,9 +59,10 @@ def rebalance(model: nn.Module, *, ranks_per_node: int | None = None,
     (it moves fewer weights each forward; ``plan_placement``); ``decay`` in [0, 1): the plan
     is made from ``decay`` x the load it was last made from + the routes counted since (0:
     those routes alone; e.g. 0.8 with a rebalance every step: a moving average over about
-    five steps, which follows drifting routing with less of one batch's noise). ValueError,
-    on every rank before any collective, when ``model`` holds no such layer or an option is
-    out of range."""
+    five steps, which follows drifting routing with less of one batch's noise). The stage's
+    ranks share the planning and exchange the plans in a second all-reduce (module
+    docstring); every rank ends with the same slot maps. ValueError, on every rank before
+    any collective, when ``model`` holds no such layer or an option is out of range."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"rebalance needs a torch.nn.Module, got {type(model).__name__}")
     check_placement_args([0.0], 1, 0, 1, ranks_per_node)
@@ -125,7 +126,7 @@ def _plan_shared(layers, planned, group, device, ranks_per_node, owner_slack) ->
             except Exception as exc:   # re-raised after the collective, which the others are in
                 failure, rows[i][0] = exc, -1.0
     if size > 1:
-        # [replicated layers, 1 + 2 x ep x H] float64, one rank's numbers per planned row and
+        # [replicated layers, 1 + 2 x (E + X)] float64, one rank's numbers per planned row and
         # zeros from the others, so the sum is that rank's plan, exact
         table = torch.tensor(rows, dtype=torch.float64, device=device)
         comm.all_reduce_(table, group)
