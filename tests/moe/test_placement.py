@@ -276,6 +276,10 @@ def test_the_docs_table_is_what_the_function_prints(capsys):
     with open(os.path.join(ROOT, "docs", "routing.md")) as f:
         page = f.read()
     assert printed in page, "docs/routing.md's placement table is stale: rerun python -m moepar.moe.placement"
+    # DeepSeek-V3's layout (its row of the docs: --num-experts 256 --ep-size 64 --redundant 0 64 128
+    # --ranks-per-node 8); the previous planner stopped at 1.090 for Zipf 2 at X = 64
+    big = P.zipf_table(256, 64, (0, 64, 128), ranks_per_node=8)
+    assert big in page, "docs/routing.md's DeepSeek-V3 table is stale"
 
 
 def test_a_placement_travels_as_numbers_and_comes_back_equal():

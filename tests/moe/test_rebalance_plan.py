@@ -57,7 +57,7 @@ def _rebalanced(fail_on=None, owner_slack=0.05, ranks_per_node=None, spread=True
 
 
 def test_every_rank_gets_the_serial_plans_and_plans_only_its_share():
-    width = 1 + 2 * EP * (E + R) // EP
+    width = 1 + 2 * (E + R)
     for kw in ({}, {"owner_slack": 0.0, "ranks_per_node": 2}, {"spread": False}):
         results = run_ranks(_rebalanced, 4, **kw)
         first = results[0]["placements"]
@@ -65,7 +65,7 @@ def test_every_rank_gets_the_serial_plans_and_plans_only_its_share():
         spread = kw.get("spread", True)
         # 4 layers saw routes: one plan on each rank, none twice (small stages: all on each)
         assert [res["calls"] for res in results] == ([1, 1, 1, 1] if spread else [4, 4, 4, 4])
-        # the counts' all-reduce, then (spread) the plans' [layers, 1 + 2 x ep x H] float64
+        # the counts' all-reduce, then (spread) the plans' [layers, 1 + 2 x (E + X)] float64
         assert results[0]["collectives"] == [("all_reduce", LAYERS * E * 8)] + \
             ([("all_reduce", LAYERS * width * 8)] if spread else [])
         for layer, placement in enumerate(first):
