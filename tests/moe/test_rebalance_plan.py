@@ -26,8 +26,14 @@ def _counts(rank, layer):
     return [(rank + 1) * ((7 * e + 3 * layer) % 11) + (40 if e == layer else 0) for e in range(E)]
 
 
-def _rebalanced(fail_on=None, owner_slack=0.05, ranks_per_node=None, spread=True):
+def _rebalanced(configs):
+    """Per config (``fail_on``: the rank whose planning raises; ``spread``: spread these small
+    layers anyway; rebalance's own options) a fresh model, its counts set, one rebalance."""
     state = moepar.init_parallel(1, EP, 1, verbose=False)
+    return [_one(state, **kw) for kw in configs]
+
+
+def _one(state, fail_on=None, spread=True, **options):
     model = torch.nn.Sequential(*(moepar.MoE(D, E, EP, redundant_experts=R, init_seed=i, state=state)
                                   for i in range(LAYERS)))
     for i, m in enumerate(model):
@@ -47,19 +53,19 @@ def _rebalanced(fail_on=None, owner_slack=0.05, ranks_per_node=None, spread=True
     RB.SPREAD_SLOTS = 0 if spread else threshold   # these layers are small: spread them anyway
     try:
         with comm.track() as stats:
-            out = moepar.rebalance(model, owner_slack=owner_slack, ranks_per_node=ranks_per_node)
+            out = moepar.rebalance(model, **options)
     except Exception as exc:
         return {"raised": type(exc).__name__, "message": str(exc)}
     finally:
-        RB.plan_placement, RB.SPREAD_SLOTS = counted.__wrapped__, threshold
+        RB.plan_placement, RB.SPREAD_SLOTS = plan, threshold
     return {"placements": [m.placement for m in model], "calls": len(calls), "loads": [r.loads for r in out],
             "collectives": [(e.op, e.nbytes) for e in stats.events]}
 
 
 def test_every_rank_gets_the_serial_plans_and_plans_only_its_share():
     width = 1 + 2 * (E + R)
-    for kw in ({}, {"owner_slack": 0.0, "ranks_per_node": 2}, {"spread": False}):
-        results = run_ranks(_rebalanced, 4, **kw)
+    configs = [{}, {"owner_slack": 0.0, "ranks_per_node": 2}, {"spread": False}]
+    for kw, results in zip(configs, zip(*run_ranks(_rebalanced, 4, configs))):
         first = results[0]["placements"]
         assert all(res["placements"] == first for res in results)
         spread = kw.get("spread", True)
@@ -74,13 +80,13 @@ def test_every_rank_gets_the_serial_plans_and_plans_only_its_share():
                 assert placement == plan_placement([1.0] * E, E, R, EP, owner_slack=OWNER_SLACK)
                 continue
             assert list(results[0]["loads"][layer]) == summed
-            want = plan_placement(summed, E, R, EP, owner_slack=kw.get("owner_slack", 0.05),
+            want = plan_placement(summed, E, R, EP, owner_slack=kw.get("owner_slack", OWNER_SLACK),
                                   ranks_per_node=kw.get("ranks_per_node"))
             assert placement == want, layer
 
 
 def test_a_rank_that_fails_to_plan_makes_every_rank_raise():
-    results = run_ranks(_rebalanced, 4, fail_on=1, timeout=60)
+    results = [res[0] for res in run_ranks(_rebalanced, 4, [{"fail_on": 1}], timeout=60)]
     assert results[1] == {"raised": "ArithmeticError", "message": "planning went wrong on this rank"}
     for rank in (0, 2, 3):
         assert results[rank]["raised"] == "RuntimeError", results[rank]
