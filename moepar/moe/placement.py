@@ -1,12 +1,13 @@
 """Expert placement with redundant copies (torch-free): which EP rank holds which expert.
 
 ``plan_placement(loads, E, X, ep)`` gives each of the ``ep`` ranks ``(E + X) / ep`` slots,
-every expert at least one copy and the X extra copies to the hottest experts, then splits
-each replicated expert's routes among its copies so that the most-loaded rank's expected
-load is as close to the mean as the slot map allows. ``split_counts`` turns a copy's share
-into whole routes, the same way on every rank. Algorithm, guarantee and figures:
+every expert at least one copy and the extra copies to the experts that need them, and
+splits each replicated expert's routes among its copies so that the most-loaded rank's
+expected load is as close to the mean as the slot map allows (the slot map is built in
+``placement_pack``, the split found in ``placement_split``). ``split_counts`` turns a copy's
+share into whole routes, the same way on every rank. Algorithm, guarantee and figures:
 docs/routing.md, "Expert replication: placement". ``python -m moepar.moe.placement``
-prints the Zipf table shown there.
+prints the Zipf table shown there (``--time N``: with each plan's seconds).
 
 Legend (docs/moe.md): E logical experts, X redundant expert slots in all (``redundant_experts``).
 """
@@ -15,13 +16,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import statistics
+import time
 from typing import Sequence
 
 from ..checks import finite, int_at_least, positive_int
+from .placement_pack import construct, identity
+from .placement_split import Fill
 
-MAX_PASSES = 10_000   # water-filling passes; the loop usually settles in a few dozen
-SWAP_WORK = 20_000    # pours (and trials) the local search may spend (bounds its time)
-TRIAL_PASSES = 4      # warm water-filling passes that judge one trial swap
 NODE_SLACK = 0.01     # keeping copies in a node may cost the most-loaded rank this much
 
 
@@ -112,12 +114,15 @@ def plan_placement(loads: Sequence[float], num_experts: int, redundant_experts: 
     than NODE_SLACK. Deterministic: ties go to the lower expert id, then rank.
 
     ``redundant_experts=0`` is the unreplicated layout moepar uses: expert g on rank
-    ``g // (E / ep)``. Otherwise the greedy EPLB plan (with and without the node
-    preference), or the unreplicated layout with the extra slots filled greedily if that
-    has a lower maximum rank load, so the result is never worse than no replication.
-    ``owner_slack`` >= 0: the unreplicated layout plus copies also wins when its most-loaded
-    rank is within this fraction of the best plan's (in the layer only the copies' weights
-    then travel each forward, ``moepar.moe.replicas``). Shares by water-filling (``_Fill``).
+    ``g // (E / ep)``. Otherwise the plan built to the mean (``placement_pack.construct``;
+    with and without the node preference), or the unreplicated layout with the extra slots
+    filled greedily if that has a lower maximum rank load, so the result is never worse than
+    no replication. ``owner_slack`` >= 0: the unreplicated layout plus copies also wins when
+    its most-loaded rank is within this fraction of the best plan's (in the layer only the
+    copies' weights then travel each forward, ``moepar.moe.replicas``); with it > 0 the built
+    plans' ranks are also relabelled so that owners keep as many of their experts as the
+    packing allows (free: the packing does not care which rank is which). Shares: the least
+    maximum the slot map allows (``placement_split.Fill``).
     """
     finite("owner_slack", owner_slack, at_least=0)
     loads = check_placement_args(loads, num_experts, redundant_experts, ep_size, ranks_per_node)
@@ -126,20 +131,66 @@ def plan_placement(loads: Sequence[float], num_experts: int, redundant_experts: 
     if X == 0:
         held = [list(range(r * per_rank, (r + 1) * per_rank)) for r in range(ep)]
         return _build(loads, held)
+    mean = math.fsum(loads) / ep
+    own = Fill(loads, identity(loads, X, ep, per_rank))
+    own.settle()
+    owners = _build(loads, own.held, own.share())
+    if owner_slack > 0 and max(owners.rank_loads()) <= mean * (1 - 1e-12) * (1 + owner_slack):
+        return owners   # no plan goes below the mean, so none beats this one by more than the slack
     plans = []   # (plan, how much worse than the best it may be and still win), preferred first
     node = ep if ranks_per_node is None else min(ranks_per_node, ep)
     if 1 < node < ep:
-        plans.append((_swap_down(loads, _pack_eplb(loads, X, ep, per_rank, node), node), NODE_SLACK))
-    plans.append((_swap_down(loads, _pack_eplb(loads, X, ep, per_rank, ep), ep), 1e-9))
-    identity = _Fill(loads, _pack_from_identity(loads, X, ep, per_rank))
-    identity.pour(range(E))
-    plans.append((_build(loads, identity.held, identity.share), 0.0))
+        plans.append((_built(loads, X, ep, node, owner_slack > 0), NODE_SLACK))
+    if not plans or plans[0][0] is None or max(plans[0][0].rank_loads()) > mean * (1 + 1e-9):
+        plans.append((_built(loads, X, ep, ep, owner_slack > 0), 1e-9))   # (a node plan at the mean wins anyway)
+    plans = [(p, slack) for p, slack in plans if p is not None] + [(owners, 0.0)]
     least = min(max(p.rank_loads()) for p, _ in plans)
-    if owner_slack > 0 and max(plans[-1][0].rank_loads()) <= least * (1 + owner_slack):
-        return plans[-1][0]
+    if owner_slack > 0 and max(owners.rank_loads()) <= least * (1 + owner_slack):
+        return owners
     flat = max(math.fsum(loads[r * (E // ep):(r + 1) * (E // ep)]) for r in range(ep))   # X = 0's maximum
     return next((p for p, slack in plans if max(p.rank_loads()) <= min(least * (1 + slack), flat * (1 + 1e-9))),
-                plans[-1][0])
+                owners)
+
+
+def _built(loads: list[float], X: int, ep: int, node: int, owners: bool) -> Placement | None:
+    """``construct``'s slot map (``node`` < ep: with the node preference; ``owners``: its ranks
+    relabelled to keep experts on their owners), water-filled; None when the rule found no fit."""
+    got = construct(loads, X, ep, node, NODE_SLACK / 10, owners)
+    if got is None:
+        return None
+    fill = Fill(loads, *got)
+    fill.settle()
+    return _build(loads, fill.held, fill.share())
+
+
+def placement_values(placement: Placement) -> list[float]:
+    """``placement`` as one flat list of numbers: every rank's slots (expert ids, by rank, in
+    ``slots`` order), then each slot's share. ``placement_from_values`` rebuilds it exactly, so
+    a plan made on one rank reaches the others in one numeric collective."""
+    ids = [float(e) for held in placement.slots for e in held]
+    share = {(c.rank, c.slot): c.share for copies in placement.copies for c in copies}
+    return ids + [share[r, i] for r, held in enumerate(placement.slots) for i in range(len(held))]
+
+
+def placement_from_values(loads: Sequence[float], num_experts: int, redundant_experts: int, ep_size: int,
+                          values: Sequence[float]) -> Placement:
+    """The ``Placement`` that ``placement_values`` flattened, for ``loads`` (the load it was
+    planned from). ValueError when ``values`` is not such a list."""
+    loads = check_placement_args(loads, num_experts, redundant_experts, ep_size)
+    E, H = num_experts, (num_experts + redundant_experts) // ep_size
+    n = ep_size * H
+    if len(values) != 2 * n:
+        raise ValueError(f"len(values)={len(values)} must be 2 x ep_size x slots per rank = {2 * n}")
+    held = [[int(v) for v in values[r * H:(r + 1) * H]] for r in range(ep_size)]
+    shares = [float(v) for v in values[n:]]
+    for r, h in enumerate(held):
+        if h != sorted(set(h)) or not all(0 <= e < E for e in h) or any(float(e) != values[r * H + i]
+                                                                          for i, e in enumerate(h)):
+            raise ValueError(f"values: rank {r}'s slots {values[r * H:(r + 1) * H]} must be distinct expert ids "
+                             f"in [0, {E}), ascending")
+    if {e for h in held for e in h} != set(range(E)):
+        raise ValueError(f"values: every expert of {E} must hold a slot")
+    return _build(loads, held, {(e, r): shares[r * H + i] for r, h in enumerate(held) for i, e in enumerate(h)})
 
 
 def split_counts(count: int, shares: Sequence[float]) -> tuple[int, ...]:
@@ -164,184 +215,6 @@ def split_counts(count: int, shares: Sequence[float]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def _copy_counts(loads: list[float], X: int, ep: int) -> list[int]:
-    """EPLB's replication: each extra copy to the expert with the largest load per copy
-    (ties: lower id), at most ``ep`` copies each."""
-    counts = [1] * len(loads)
-    for _ in range(X):
-        e = min((e for e in range(len(loads)) if counts[e] < ep), key=lambda e: (-loads[e] / counts[e], e))
-        counts[e] += 1
-    return counts
-
-
-def _realizable(demands: list[int], free: list[int]) -> bool:
-    """Gale-Ryser: copies ``demands`` (one per expert, each on distinct ranks) fit ranks
-    with ``free`` slots (same totals) iff every k largest demands fit sum(min(free, k))."""
-    demands = sorted(demands, reverse=True)
-    acc = 0
-    for k, d in enumerate(demands[:max(free, default=0)], start=1):
-        acc += d
-        if acc > sum(min(f, k) for f in free):
-            return False
-    return True
-
-
-def _pack_eplb(loads: list[float], X: int, ep: int, per_rank: int, node: int) -> list[list[int]]:
-    """Copies heaviest-per-copy first, each expert's copies onto the least-loaded ranks with
-    a free slot, distinct ranks, inside one node when one has room. A choice that would leave
-    the remaining copies unplaceable on distinct ranks falls back to the ranks with the most
-    free slots, which always keeps them placeable (the Gale-Ryser construction)."""
-    counts = _copy_counts(loads, X, ep)
-    order = sorted(range(len(loads)), key=lambda e: (-loads[e] / counts[e], e))
-    held, load, free = [[] for _ in range(ep)], [0.0] * ep, [per_rank] * ep
-    for i, e in enumerate(order):
-        c = counts[e]
-        open_ranks = sorted((r for r in range(ep) if free[r]), key=lambda r: (load[r], r))
-        choice = open_ranks[:c]
-        if 1 < c <= node < ep:
-            in_node = [[r for r in open_ranks if r // node == n][:c] for n in range(ep // node)]
-            fits = [rs for rs in in_node if len(rs) == c]
-            if fits:
-                choice = min(fits, key=lambda rs: (max(load[r] for r in rs), sum(load[r] for r in rs), rs[0]))
-        rest = [counts[x] for x in order[i + 1:]]
-        if not _realizable(rest, [free[r] - (r in choice) for r in range(ep)]):
-            choice = sorted(open_ranks, key=lambda r: (-free[r], load[r], r))[:c]
-        for r in choice:
-            held[r].append(e)
-            load[r] += loads[e] / c
-            free[r] -= 1
-    return held
-
-
-def _pack_from_identity(loads: list[float], X: int, ep: int, per_rank: int) -> list[list[int]]:
-    """The unreplicated layout (expert g on rank g // (E / ep)) plus X extra copies: each to
-    the expert with the largest load per copy that some rank with a free slot lacks, on the
-    least-loaded such rank. Water-filling can leave the extras idle, so this plan is never
-    worse than no replication."""
-    E = len(loads)
-    home = E // ep
-    held = [list(range(r * home, (r + 1) * home)) for r in range(ep)]
-    counts = [1] * E
-    for _ in range(X):
-        load = [sum(loads[e] / counts[e] for e in h) for h in held]
-        open_ranks = [r for r in range(ep) if len(held[r]) < per_rank]
-        # some expert is always missing from an open rank: that rank holds fewer than E
-        for e in sorted(range(E), key=lambda e: (-loads[e] / counts[e], e)):
-            lacking = [r for r in open_ranks if e not in held[r]]
-            if lacking:
-                break
-        r = min(lacking, key=lambda r: (load[r], r))
-        held[r].append(e)
-        counts[e] += 1
-    return held
-
-
-class _Fill:
-    """A slot map with its shares ``share[e, rank]`` and rank loads, refined in place by
-    water-filling: block coordinate descent on the sum of squared rank loads. A pass takes
-    the replicated experts in id order and pours each one's load over its copies' ranks
-    like water (the lowest first, to one common level), given every other expert's split.
-    Each step is that expert's exact minimiser, so the passes converge to the least-squares
-    split, which also minimises the maximum rank load (the rank-load vectors form a
-    polymatroid's base polytope, whose min-norm point is lexicographically optimal)."""
-
-    def __init__(self, loads: list[float], held: list[list[int]]):
-        self.loads, self.held = loads, held
-        self.where: list[list[int]] = [sorted(r for r, h in enumerate(held) if e in h) for e in range(len(loads))]
-        self.share = {(e, r): 1.0 / len(rs) for e, rs in enumerate(self.where) for r in rs}
-        self.rank_load = [math.fsum(loads[e] * self.share[e, r] for e in h) for r, h in enumerate(held)]
-        self.tol = 1e-12 * math.fsum(loads)
-
-    def pour(self, experts, passes: int = MAX_PASSES) -> int:
-        """Up to ``passes`` passes over ``experts`` (until no rank moves by more than
-        1e-12 x the total); returns the number of pours."""
-        hot = [e for e in sorted(experts) if len(self.where[e]) > 1 and self.loads[e] > 0]
-        share, rank_load, done = self.share, self.rank_load, 0
-        while hot and done < passes:
-            done += 1
-            moved = 0.0
-            for e in hot:
-                rs, amount = self.where[e], self.loads[e]
-                base = [rank_load[r] - amount * share[e, r] for r in rs]
-                for r, b, x in zip(rs, base, _pour(base, amount)):
-                    moved = max(moved, amount * abs(x - share[e, r]))
-                    share[e, r], rank_load[r] = x, b + amount * x
-            if moved <= self.tol:
-                break
-        return done * len(hot)
-
-    def swap(self, a: int, top: int, b: int, r: int) -> None:
-        """a's copy on ``top`` and b's on ``r`` trade places, keeping their shares."""
-        self.held[top][self.held[top].index(a)], self.held[r][self.held[r].index(b)] = b, a
-        la, lb = self.loads[a] * self.share[a, top], self.loads[b] * self.share[b, r]
-        self.rank_load[top] += lb - la
-        self.rank_load[r] += la - lb
-        for e, src, dst in ((a, top, r), (b, r, top)):
-            self.share[e, dst] = self.share.pop((e, src))
-            self.where[e] = sorted(dst if x == src else x for x in self.where[e])
-
-    def score(self) -> tuple[float, float]:
-        return max(self.rank_load), math.fsum(x * x for x in self.rank_load)
-
-
-def _swap_down(loads: list[float], held: list[list[int]], node: int) -> Placement:
-    """Local search after the greedy: swap a slot of the most-loaded rank with a slot of
-    another rank (least-loaded ranks first), keeping copies on distinct ranks and no expert
-    on more nodes, when that lowers (max rank load, sum of squares). A trial is judged by a
-    few warm water-filling passes over the experts on the two ranks (a valid split, so an
-    improvement it shows is real). Stops at the mean, when no swap helps, or after
-    SWAP_WORK pours and trials; then water-fills to convergence."""
-    fill = _Fill(loads, held)
-    work = fill.pour(range(len(loads)))
-    best, mean, improved = fill.score(), math.fsum(loads) / len(held), True
-    while improved and work < SWAP_WORK and best[0] > mean * (1 + 1e-9):
-        improved = False
-        top = max(range(len(held)), key=lambda r: (fill.rank_load[r], -r))
-        others = sorted((r for r in range(len(held)) if r != top), key=lambda r: (fill.rank_load[r], r))
-        trials = ((a, r, b) for a in sorted(held[top]) for r in others for b in sorted(held[r])
-                  if a not in held[r] and b not in held[top] and (r // node == top // node or node == 1
-                                                                  or _spread_kept(fill.where, node, a, top, r, b)))
-        for a, r, b in trials:
-            if work >= SWAP_WORK:
-                break
-            touched = set(held[top]) | set(held[r])
-            saved = ({(e, x): fill.share[e, x] for e in touched for x in fill.where[e]}, list(fill.rank_load))
-            fill.swap(a, top, b, r)
-            work += fill.pour(touched, TRIAL_PASSES) + 1
-            s, eps = fill.score(), 1e-12 * best[0]
-            if s[0] < best[0] - eps or (s[0] <= best[0] + eps and s[1] < best[1] * (1 - 1e-12)):
-                best, improved = s, True
-                break
-            fill.swap(b, top, a, r)
-            fill.share.update(saved[0])
-            fill.rank_load[:] = saved[1]
-    fill.pour(range(len(loads)))
-    return _build(loads, held, fill.share)
-
-
-def _spread_kept(where: list[list[int]], node: int, a: int, top: int, r: int, b: int) -> bool:
-    """Whether moving a's copy from rank ``top`` to ``r`` and b's the other way keeps the
-    number of nodes each of a and b spans."""
-    def nodes(e: int, src: int, dst: int) -> int:
-        return len({(dst if x == src else x) // node for x in where[e]})
-    return nodes(a, top, r) <= nodes(a, -1, -1) and nodes(b, r, top) <= nodes(b, -1, -1)
-
-
-def _pour(base: list[float], amount: float) -> list[float]:
-    """Water-filling: fractions of ``amount`` poured over levels ``base`` so that every
-    level it reaches ends at one common height, and the rest get nothing."""
-    order = sorted(range(len(base)), key=lambda j: (base[j], j))
-    level, acc = base[order[0]] + amount, base[order[0]]
-    for k in range(2, len(base) + 1):
-        if base[order[k - 1]] >= level:
-            break
-        acc += base[order[k - 1]]
-        level = (amount + acc) / k
-    out = [max(0.0, level - b) for b in base]
-    total = math.fsum(out)
-    return [x / total for x in out]
-
-
 def _build(loads: list[float], held: list[list[int]], share: dict | None = None) -> Placement:
     slots = tuple(tuple(sorted(h)) for h in held)
     found: list[list[Copy]] = [[] for _ in loads]
@@ -360,15 +233,23 @@ def zipf_loads(num_experts: int, exponent: float) -> list[float]:
 
 
 def zipf_table(num_experts: int = 16, ep_size: int = 4, redundant: Sequence[int] = (0, 4, 8),
-               exponents: Sequence[float] = (0.5, 1.0, 1.5, 2.0), ranks_per_node: int | None = None) -> str:
+               exponents: Sequence[float] = (0.5, 1.0, 1.5, 2.0), ranks_per_node: int | None = None,
+               repeats: int = 0) -> str:
     """Markdown table: the most-loaded rank's expected load over the mean for Zipf loads
-    (expert 0 the hottest) at each ``redundant`` count (X=0: no replication)."""
+    (expert 0 the hottest) at each ``redundant`` count (X=0: no replication); ``repeats`` > 0:
+    each cell also gives the median seconds of that many ``plan_placement`` calls."""
     rows = ["| Zipf exponent | hottest expert | " + " | ".join(f"X={X}" for X in redundant) + " |",
             "|" + "---|" * (len(redundant) + 2)]
     for s in exponents:
         loads = zipf_loads(num_experts, s)
-        plans = [plan_placement(loads, num_experts, X, ep_size, ranks_per_node=ranks_per_node) for X in redundant]
-        cells = [f"{p.max_over_mean():.3f}" for p in plans]
+        cells = []
+        for X in redundant:
+            seconds = []
+            for _ in range(max(repeats, 1)):
+                start = time.perf_counter()
+                p = plan_placement(loads, num_experts, X, ep_size, ranks_per_node=ranks_per_node)
+                seconds.append(time.perf_counter() - start)
+            cells.append(f"{p.max_over_mean():.3f}" + (f" ({statistics.median(seconds):.3f} s)" if repeats else ""))
         rows.append(f"| {s:g} | {loads[0]:.1%} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -380,8 +261,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--redundant", type=int, nargs="+", default=[0, 4, 8])
     p.add_argument("--exponents", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0])
     p.add_argument("--ranks-per-node", type=int, default=None)
+    p.add_argument("--time", type=int, default=0, metavar="N",
+                   help="also time each plan: the median seconds of N calls")
     a = p.parse_args(argv)
-    print(zipf_table(a.num_experts, a.ep_size, a.redundant, a.exponents, a.ranks_per_node))
+    print(zipf_table(a.num_experts, a.ep_size, a.redundant, a.exponents, a.ranks_per_node, a.time))
 
 
 if __name__ == "__main__":

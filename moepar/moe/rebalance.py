@@ -3,11 +3,16 @@ measured since the last call (``moepar.moe.replicas``; docs/routing.md).
 
 Called at a step boundary (after ``optimizer.step()``), on every rank of the model alike.
 It issues one all-reduce of every layer's measured routes ([layers, E] int64) over the
-ranks that hold these layers (the pipeline stage's group), reads it once, plans each
-layer's slot map with ``plan_placement`` (the same on every rank: a pure function of the
-same numbers) and uses it from the next forward on. No parameter and no optimizer state
-moves: the experts' owners never change (the copies are rebuilt each forward), so the
-optimizer needs no call here.
+ranks that hold these layers (the pipeline stage's group) and reads it once. Each rank of
+the group then plans its share of the layers with ``plan_placement`` (planned layer j on
+the group's rank j mod n), and a second all-reduce ([layers, 1 + 2 x (E + X)] float64,
+every row filled by one rank, zeros elsewhere, so the sum is exact) hands every rank every
+plan, bit for bit; a stage with fewer than SPREAD_SLOTS expert slots in all plans every
+layer on every rank instead (no second collective). The slot maps are used from the next
+forward on. No parameter and no optimizer state moves: the experts' owners never change
+(the copies are rebuilt each forward), so the optimizer needs no call here.
+
+Legend (docs/moe.md): E logical experts, X redundant expert slots in all.
 """
 from __future__ import annotations
 
@@ -20,8 +25,14 @@ from torch import nn
 from .. import checks
 from ..parallel import comm
 from .layer import MoE
-from .placement import Placement, check_placement_args, plan_placement
+from .placement import Placement, check_placement_args, placement_from_values, placement_values, plan_placement
 from .replicas import OWNER_SLACK
+
+
+# Below this many expert slots (E + X) over a stage's replicated layers, every rank plans
+# every layer: that takes less than the second all-reduce would, and a small model's
+# rebalance stays one collective. Above it the layers are planned in parallel.
+SPREAD_SLOTS = 1024
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,9 +59,10 @@ def rebalance(model: nn.Module, *, ranks_per_node: int | None = None,
     (it moves fewer weights each forward; ``plan_placement``); ``decay`` in [0, 1): the plan
     is made from ``decay`` x the load it was last made from + the routes counted since (0:
     those routes alone; e.g. 0.8 with a rebalance every step: a moving average over about
-    five steps, which follows drifting routing with less of one batch's noise). ValueError,
-    on every rank before any collective, when ``model`` holds no such layer or an option is
-    out of range."""
+    five steps, which follows drifting routing with less of one batch's noise). The stage's
+    ranks share the planning and exchange the plans in a second all-reduce (module
+    docstring); every rank ends with the same slot maps. ValueError, on every rank before
+    any collective, when ``model`` holds no such layer or an option is out of range."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"rebalance needs a torch.nn.Module, got {type(model).__name__}")
     check_placement_args([0.0], 1, 0, 1, ranks_per_node)
@@ -68,21 +80,68 @@ def rebalance(model: nn.Module, *, ranks_per_node: int | None = None,
     group = state.stage_group if dist.is_available() and dist.is_initialized() else None
     if group is not None and comm.group_size(group) > 1:
         comm.all_reduce_(loads, group)
-    host = loads.tolist()   # the one host read
+    host = loads.tolist()   # the one host read of the counts
+    planned = []   # (layer index, the load to plan from), the same list on every rank
+    for i, ((_, m), counts) in enumerate(zip(layers, host)):
+        rep = m.replicas
+        if decay and rep.planned_loads is not None:
+            host[i] = counts = [decay * a + b for a, b in zip(rep.planned_loads, counts)]
+        if sum(counts) > 0:
+            planned.append((i, counts))
+    plans = _plan_shared(layers, planned, group, device, ranks_per_node, owner_slack)
     out = []
-    for (name, m), counts in zip(layers, host):
+    for i, ((name, m), counts) in enumerate(zip(layers, host)):
         rep = m.replicas
         old = rep.placement
-        if decay and rep.planned_loads is not None:
-            counts = [decay * a + b for a, b in zip(rep.planned_loads, counts)]
-        if sum(counts) > 0:
+        if i in plans:
             rep.planned_loads = list(counts)
-            rep.set_placement(plan_placement(counts, m.num_experts, rep.redundant_experts, rep.ep_size,
-                                             ranks_per_node=ranks_per_node, owner_slack=owner_slack))
+            rep.set_placement(plans[i])
         rep.loads_E = None
         out.append(Rebalanced(name or "(model)", tuple(counts), expected_overload(old, counts),
                               expected_overload(rep.placement, counts), remote_slots(rep.placement)))
     return out
+
+
+def _plan_shared(layers, planned, group, device, ranks_per_node, owner_slack) -> dict[int, Placement]:
+    """{layer index: Placement} for every layer of ``planned``, the same on every rank. With
+    SPREAD_SLOTS or more expert slots over the stage's layers (and more than one rank), each
+    layer is planned once in the group (planned layer j on the group's rank j mod n) and one
+    all-reduce sums the plans into every rank; a rank whose planning raises still joins it,
+    its rows marked failed, so that every rank raises together instead of the others
+    waiting. Below that, every rank plans every layer (a pure function of the same numbers)."""
+    size, me = comm.group_size(group), comm.group_rank(group)
+    widths = [2 * m.replicas.ep_size * m.replicas.slots_per_rank for _, m in layers]
+    if size == 1 or sum(widths) // 2 < SPREAD_SLOTS:
+        size, me = 1, 0
+    rows = [[0.0] * (1 + max(widths)) for _ in layers]   # a status column, then the plan's values
+    failure = None
+    for j, (i, counts) in enumerate(planned):
+        if j % size == me and failure is None:
+            rep = layers[i][1].replicas
+            try:
+                plan = plan_placement(counts, rep.num_experts, rep.redundant_experts, rep.ep_size,
+                                      ranks_per_node=ranks_per_node, owner_slack=owner_slack)
+                rows[i][0] = 1.0
+                rows[i][1:1 + widths[i]] = placement_values(plan)
+            except Exception as exc:   # re-raised after the collective, which the others are in
+                failure, rows[i][0] = exc, -1.0
+    if size > 1:
+        # [replicated layers, 1 + 2 x (E + X)] float64, one rank's numbers per planned row and
+        # zeros from the others, so the sum is that rank's plan, exact
+        table = torch.tensor(rows, dtype=torch.float64, device=device)
+        comm.all_reduce_(table, group)
+        rows = table.tolist()
+    if failure is not None:
+        raise failure
+    plans = {}
+    for j, (i, counts) in enumerate(planned):
+        rep = layers[i][1].replicas
+        if rows[i][0] != 1.0:   # exactly one rank planned it, and that one did not fail
+            raise RuntimeError(f"rebalance: planning layer {layers[i][0] or '(model)'!r} failed on rank "
+                               f"{j % size} of the stage group (its own error says why)")
+        plans[i] = placement_from_values(counts, rep.num_experts, rep.redundant_experts, rep.ep_size,
+                                         rows[i][1:1 + widths[i]])
+    return plans
 
 
 def expected_overload(placement: Placement, loads) -> float:
