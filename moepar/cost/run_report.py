@@ -42,6 +42,7 @@ from .model import CostLayout, MoESpec, wire_bytes
 from .routes import dedup_fraction
 from .pipeline import check_stages, stage_cost
 from .replication import expert_slice_params
+from ..moe.traffic import rebalance_collectives
 
 RECEIVED = ("MoE combine", "MoE dispatch grad")   # calls whose send buffer is the rows received
 REPLICA = ("MoE replica weights", "MoE replica grads")   # each: the copies this rank sends
@@ -73,7 +74,8 @@ def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: I
     forwards (``replica_copies_per_forward`` per forward); ``replica_returned``: the copies
     whose gradients it sent back, i.e. the remote copies its slots held (default: as many).
     ``rebalances``: ``moepar.rebalance`` calls in these steps, each one all-reduce of the
-    stage's MoE layers' routes per expert ([layers, E] int64) over the stage's ranks."""
+    stage's MoE layers' routes per expert ([layers, E] int64) over the stage's ranks, and a
+    second of the plans where their planning is spread (``traffic.rebalance_collectives``)."""
     if steps < 1:
         raise ValueError(f"steps={steps} must be >= 1")
     if not (isinstance(pipeline_stage, int) and 0 <= pipeline_stage < layout.pp):
@@ -120,12 +122,12 @@ def compare_run(spec: MoESpec, layout: CostLayout, hardware: Hardware, events: I
             r.model_bytes += k * c.nbytes
             r.model_seconds += k * c.seconds
     n = layout.size("world")
-    if rebalances and n > 1:
+    if rebalances:
         r = row("all_reduce", n, "fwd")
-        nbytes = spec.moe_layers * spec.experts * 8
-        r.model_calls += rebalances
-        r.model_bytes += rebalances * nbytes
-        r.model_seconds += rebalances * hardware.collective_time("all_reduce", layout.placement("world"), nbytes)
+        for nbytes in rebalance_collectives(spec.moe_layers, spec.experts, spec.redundant_experts, n):
+            r.model_calls += rebalances
+            r.model_bytes += rebalances * nbytes
+            r.model_seconds += rebalances * hardware.collective_time("all_reduce", layout.placement("world"), nbytes)
     return sorted(rows.values(), key=lambda r: (r.op, r.group_size, r.phase))
 
 

@@ -29,10 +29,7 @@ from .placement import Placement, check_placement_args, placement_from_values, p
 from .replicas import OWNER_SLACK
 
 
-# Below this many expert slots (E + X) over a stage's replicated layers, every rank plans
-# every layer: that takes less than the second all-reduce would, and a small model's
-# rebalance stays one collective. Above it the layers are planned in parallel.
-SPREAD_SLOTS = 1024
+from .traffic import SPREAD_SLOTS, rebalance_collectives  # noqa: F401 (the threshold, re-exported)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -231,3 +231,22 @@ def layer_collectives(s: LayerShape, group_size: dict[str, int] | None = None,
             add("1", "aux-loss statistics", "all_reduce", s.aux_group, phase, n_f * FP32_BYTES, f"{n_f}·4")
             add("1", "aux-loss counts", "all_reduce", s.aux_group, phase, n_i * INT64_BYTES, f"{n_i}·8")
     return out
+
+
+# Below this many expert slots (E + X) over a stage's replicated layers, every rank plans
+# every layer (``moepar.rebalance``): that takes less than the second all-reduce would, and
+# a small model's rebalance stays one collective. Above it the layers are planned in parallel.
+SPREAD_SLOTS = 1024
+
+
+def rebalance_collectives(layers: int, experts: int, redundant: int, ranks: int) -> list[int]:
+    """The bytes of each all-reduce one ``moepar.rebalance`` issues over a stage of ``ranks``
+    ranks with ``layers`` replicated MoE layers: the routes per expert ([layers, E] int64),
+    then, where the planning is spread (SPREAD_SLOTS slots or more), the plans
+    ([layers, 1 + 2 (E + X)] float64)."""
+    if ranks <= 1 or layers == 0:
+        return []
+    out = [layers * experts * 8]
+    if layers * (experts + redundant) >= SPREAD_SLOTS:
+        out.append(layers * (1 + 2 * (experts + redundant)) * 8)
+    return out

@@ -49,3 +49,13 @@ def test_every_op_matches_the_model(tmp_path, layout):
         assert r["model_seconds"] > 0
         # --time-peer-wait: the barriers are timed apart, and are not counted as collectives.
         assert (r["wait_seconds"] > 0) == ("--time-peer-wait" in layout), r
+
+
+def test_rebalance_collectives_follow_the_planning_spread():
+    """One all-reduce of the routes per rebalance; a second of the plans once the stage's
+    replicated slots reach SPREAD_SLOTS (the layers are then planned across the ranks)."""
+    from moepar.moe.traffic import SPREAD_SLOTS, rebalance_collectives
+    assert rebalance_collectives(4, 8, 4, 1) == []
+    assert rebalance_collectives(4, 8, 4, 2) == [4 * 8 * 8]
+    assert SPREAD_SLOTS == 1024
+    assert rebalance_collectives(58, 256, 64, 64) == [58 * 256 * 8, 58 * (1 + 2 * 320) * 8]
