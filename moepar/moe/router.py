@@ -88,9 +88,22 @@ def capacity_of(cfg: RouterConfig, num_tokens: int, training: bool) -> Optional[
     factor = cfg.capacity_factor if training or cfg.eval_capacity_factor is None else cfg.eval_capacity_factor
     if factor is None:
         return None
-    # Exact rational arithmetic: 6*2/4*0.5 must be 1.5, not 1.5000000000000002.
-    exact = Fraction(num_tokens * cfg.k, cfg.num_experts) * Fraction(repr(float(factor)))
-    return max(math.ceil(exact), cfg.min_capacity)
+    # Exact rational arithmetic (6*2/4*0.5 must be 1.5, not 1.5000000000000002), in integers
+    # of the factor's decimal fraction, so that torch.compile traces it (ceil of a / b).
+    num, den = _ratio(factor)
+    return max(-(-(num_tokens * cfg.k * num) // (cfg.num_experts * den)), cfg.min_capacity)
+
+
+@torch.compiler.assume_constant_result   # a function of a config constant: traced as its value
+def _ratio(factor: float) -> tuple[int, int]:
+    """(numerator, denominator) of the decimal ``repr`` of ``factor``: 1.25 -> (5, 4)."""
+    return _decimal_ratio(factor)
+
+
+@functools.lru_cache(maxsize=None)
+def _decimal_ratio(factor: float) -> tuple[int, int]:
+    r = Fraction(repr(float(factor)))
+    return r.numerator, r.denominator
 
 
 def input_error(cfg: RouterConfig, num_tokens: int) -> Optional[str]:

@@ -402,6 +402,8 @@ def all_to_all_start(x: torch.Tensor, group, output_split_sizes: Sequence[int] |
     pending = Pending()
     if group_size(group) == 1:
         return x, pending
+    if torch.compiler.is_compiling():   # a graph: the functional collective, the compiler orders it
+        return traced_all_to_all(x, group, output_split_sizes, input_split_sizes), pending
     return _AllToAllAsync.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats, empty,
                                 pending), pending
 
@@ -421,8 +423,22 @@ def all_to_all(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None 
     Backward is the reverse all-to-all. ``empty`` allocates the outputs (see ``all_to_all_rows``)."""
     if group_size(group) == 1:
         return x
+    if torch.compiler.is_compiling():
+        return traced_all_to_all(x, group, output_split_sizes, input_split_sizes)
     raw = all_to_all_rows if empty is None else functools.partial(all_to_all_rows, empty=empty)
     return _AllToAll.apply(x, group, _tuple(output_split_sizes), _tuple(input_split_sizes), stats, raw)
+
+
+def traced_all_to_all(x: torch.Tensor, group, output_split_sizes: Sequence[int] | None,
+                      input_split_sizes: Sequence[int] | None) -> torch.Tensor:
+    """The all-to-all as ``torch.compile`` traces it: torch's functional collective with its
+    autograd (backward: the reverse all-to-all), which the compiled graph issues and waits
+    for itself. Nothing is recorded in ``CommStats`` (a graph runs no Python per call); the
+    bytes are the eager path's, ``moepar.moe.traffic`` lists them."""
+    from torch.distributed import _functional_collectives as funcol
+    out_s = None if output_split_sizes is None else [int(s) for s in output_split_sizes]
+    in_s = None if input_split_sizes is None else [int(s) for s in input_split_sizes]
+    return funcol.all_to_all_single_autograd(x.contiguous(), out_s, in_s, group)
 
 
 def _tuple(sizes: Sequence[int] | None) -> tuple[int, ...] | None:
