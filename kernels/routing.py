@@ -20,6 +20,7 @@ Semantics (kernel and reference alike):
 """
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -203,8 +204,7 @@ def _launch(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Opt
     block_e = _next_pow2(E)
     nblocks = triton.cdiv(T, block_t)
     if dev.type == "cuda":
-        sms = torch.cuda.get_device_properties(dev).multi_processor_count
-        grid = min(nblocks, 8 * sms)
+        grid = min(nblocks, 8 * _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()))
     else:
         grid = min(nblocks, 4)   # interpreter: a few programs still exercise the block loop
     hist_per_program = torch.empty((grid, E + 1), dtype=torch.int32, device=dev)
@@ -220,6 +220,12 @@ def _launch(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Opt
         return ids_TK, weights_TK, counts, weights_TK.new_empty(0), weights_TK.new_empty(0)
     stats = stats_per_program.sum(0)   # [P_E summed over tokens, aux_scale x routes_E]
     return ids_TK, weights_TK, counts, torch.dot(stats[:E], stats[E:]), stats
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    """The device's multiprocessors, read once (a properties query on every launch is host time)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _routing_impl(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Optional[torch.Tensor],
