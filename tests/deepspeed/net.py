@@ -35,8 +35,12 @@ def quiet_deepspeed():
 
 
 class Net(nn.Module):
-    def __init__(self, state, **moe_kw):
+    """``recompute``: None, or a function ``recompute(block, h)`` that runs the MoE block
+    (norm, MoE, head) under an activation checkpoint (DeepSpeed's)."""
+
+    def __init__(self, state, recompute=None, **moe_kw):
         super().__init__()
+        self.recompute = recompute
         self.inp = moepar.ColumnParallelLinear(D, 2 * D, init_seed=1, state=state)
         self.out = moepar.RowParallelLinear(2 * D, D, init_seed=2, state=state)
         self.norm = nn.LayerNorm(D)
@@ -50,8 +54,11 @@ class Net(nn.Module):
 
     def forward(self, x_TD):
         h = x_TD + self.out(F.gelu(self.inp(x_TD)))
-        h = self.norm(h)
-        return self.head(h + self.moe(h)).squeeze(-1)
+        return self._moe_block(h) if self.recompute is None else self.recompute(self._moe_block, h)
+
+    def _moe_block(self, h_TD):
+        h_TD = self.norm(h_TD)
+        return self.head(h_TD + self.moe(h_TD)).squeeze(-1)
 
 
 def batch(step: int, state, dtype=torch.float32):

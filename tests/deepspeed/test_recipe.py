@@ -1,0 +1,104 @@
+"""The rest of the Megatron + DeepSpeed recipe over moepar's layers: DeepSpeed's activation
+checkpointing configured with moepar's state as its mpu, the engine's checkpoints, and its
+flops profiler beside ``moepar report``. 4 gloo ranks, DeepSpeed's CPU accelerator."""
+import pytest
+import torch
+
+import moepar
+
+from ..helpers.multiproc import run_ranks
+from .net import Net, batch, config, loss_of, make_optimizer, max_diff, quiet_deepspeed, reference, train_engine
+
+pytest.importorskip("deepspeed")
+
+STEPS = 3
+
+
+def _recompute_on_ranks(tp, ep, partition):
+    deepspeed = quiet_deepspeed()
+    import moepar.deepspeed as mds
+    state = moepar.init_parallel(tp, ep)
+    deepspeed.init_distributed(dist_backend="gloo")   # DeepSpeed's comm over the gloo world
+    deepspeed.checkpointing.configure(state, partition_activations=partition)
+    out = {}
+    init, ref, _ = reference(state, "adamw", STEPS)
+    plain = Net(state)
+    plain.load_state_dict(init)
+    loss_of(plain, plain, *batch(0, state)).backward()
+    for name, flavour in (("reentrant", deepspeed.checkpointing.checkpoint),
+                          ("non-reentrant", deepspeed.checkpointing.non_reentrant_checkpoint)):
+        model = Net(state, recompute=flavour)
+        model.load_state_dict(init)
+        # one forward and backward: every gradient, the aux loss and the counts against no recompute
+        loss = loss_of(model, model, *batch(0, state))
+        loss.backward()
+        grads = max(float((p.grad - q.grad).abs().max())
+                    for p, q in zip(model.parameters(), plain.parameters()))
+        counted = torch.equal(model.moe.stats.tokens_per_expert, plain.moe.stats.tokens_per_expert)
+        model.zero_grad(set_to_none=True)   # (no step taken: the weights are still init's)
+        engine, *_ = mds.initialize(model=model, optimizer=make_optimizer("adamw", model.parameters()),
+                                    config=config(2), mpu=state)
+        train_engine(engine, STEPS)
+        out[name] = grads, counted, max_diff(ref, engine.module)
+    out["replay"] = _replay_orders(state, init, deepspeed.checkpointing.checkpoint)
+    return out
+
+
+def _replay_orders(state, init, flavour):
+    """Gradients against no recompute (max abs difference) when another forward of the same
+    token count runs between the checkpointed forward's routing and its recompute: a no_grad
+    forward of another batch before the step, and two micro-batches forwarded before one
+    backward of their summed losses."""
+    def grads(recompute, run):
+        model = Net(state, recompute=recompute)
+        model.load_state_dict(init)
+        run(model)
+        return [p.grad.clone() for p in model.parameters()]
+
+    def no_grad_first(model):
+        with torch.no_grad():
+            model(batch(7, state)[0])
+        loss_of(model, model, *batch(0, state)).backward()
+
+    def two_forwards(model):
+        first = loss_of(model, model, *batch(0, state))
+        (first + loss_of(model, model, *batch(1, state))).backward()
+
+    return {name: max(float((a - b).abs().max()) for a, b in zip(grads(flavour, run), grads(None, run)))
+            for name, run in (("no_grad forward first", no_grad_first), ("two forwards, one backward", two_forwards))}
+
+
+@pytest.mark.parametrize("tp,ep,partition", [(1, 2, False), (2, 2, True)], ids=["tp1ep2", "tp2ep2-partitioned"])
+def test_deepspeed_activation_checkpointing_is_exact_and_counts_once(tp, ep, partition):
+    # DeepSpeed's checkpoint (its reentrant Function and its non-reentrant flavour) around the
+    # block holding the MoE layer, configured with moepar's ParallelState as the mpu (and
+    # partitioning the saved input over the TP group): the recompute routes as the forward
+    # did and counts nothing twice, so gradients and a ZeRO-2 run equal no recompute.
+    for rank, out in enumerate(_results(tp, ep, partition)):
+        for name in ("reentrant", "non-reentrant"):
+            grads, counted, trained = out[name]
+            assert grads <= 1e-6 and counted, (rank, name, grads, counted)
+            assert trained <= 1e-5, (rank, name, trained)
+
+
+_RESULTS = {}
+
+
+def _results(*case):
+    if case not in _RESULTS:
+        _RESULTS[case] = run_ranks(_recompute_on_ranks, 4, *case)
+    return _RESULTS[case]
+
+
+REPLAY = ("moepar's routing replay under recompute (moepar/moe/recompute.py) takes the oldest kept record of the "
+          "same token count, so a no_grad forward or a second forward before the backward hands the recompute "
+          "another forward's routing; lifted when the replay is reworked")
+
+
+@pytest.mark.xfail(strict=True, reason=REPLAY)
+@pytest.mark.parametrize("order", ["no_grad forward first", "two forwards, one backward"])
+def test_deepspeed_activation_checkpointing_replays_the_right_routing(order):
+    # torch.utils.checkpoint shows the same: its non-reentrant flavour finds the recomputed
+    # per-expert counts' shapes changed, its reentrant one differs silently.
+    for rank, out in enumerate(_results(1, 2, False)):
+        assert out["replay"][order] <= 1e-6, (rank, order, out["replay"][order])
