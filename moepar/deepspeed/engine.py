@@ -20,14 +20,17 @@ Four places where DeepSpeed's engine knows only its own MoE layer class:
 from __future__ import annotations
 
 import os
+import re
 
 import deepspeed
 import torch
 
 from moepar.parallel.grads import clip_grad_norm_, is_expert_param
 
-# Beside DeepSpeed's files in a checkpoint tag's folder: one file per expert slice.
-EXPERT_FILE = "moepar_experts_ep_rank_{:02d}.pt"
+# Beside DeepSpeed's files in a checkpoint tag's folder: one file per expert slice, named by
+# the EP size and rank it was saved at.
+EXPERT_FILE = "moepar_experts_ep{}_rank{:02d}.pt"
+EXPERT_FILE_SIZE = re.compile(r"moepar_experts_ep(\d+)_rank\d+\.pt")
 
 
 class MoeparEngine(deepspeed.DeepSpeedEngine):
@@ -71,7 +74,7 @@ class MoeparEngine(deepspeed.DeepSpeedEngine):
 
 
 def expert_file(state) -> str:
-    return EXPERT_FILE.format(state.ep_rank)
+    return EXPERT_FILE.format(state.ep_size, state.ep_rank)
 
 
 def save_experts(engine: MoeparEngine, folder: str) -> None:
@@ -91,12 +94,14 @@ def load_experts(engine: MoeparEngine, folder: str, module_state: dict) -> None:
     state = engine.parallel_state
     path = os.path.join(folder, expert_file(state))
     if not os.path.isfile(path):
-        raise ValueError(f"{folder} has no {expert_file(state)}: it was not saved by moepar.deepspeed's engine at "
-                         f"ep_size={state.ep_size}, and DeepSpeed's own files hold one data-parallel rank's experts")
+        sizes = sorted({int(m.group(1)) for f in os.listdir(folder) if (m := EXPERT_FILE_SIZE.fullmatch(f))})
+        if sizes:
+            raise ValueError(f"{folder} was saved at ep_size={sizes[0]}, this engine runs ep_size={state.ep_size}: "
+                             f"DeepSpeed's checkpoints load at the layout they were saved at (moepar.checkpoint's "
+                             f"save and load of engine.module reshard the weights across layouts)")
+        raise ValueError(f"{folder} has no {expert_file(state)}: it was not saved by moepar.deepspeed's engine, and "
+                         f"DeepSpeed's own files hold only one data-parallel rank's experts")
     saved = torch.load(path, map_location="cpu", weights_only=True)
-    if saved["ep_size"] != state.ep_size:
-        raise ValueError(f"{path} was saved at ep_size={saved['ep_size']}, this engine runs ep_size={state.ep_size}: "
-                         f"DeepSpeed's checkpoints load at the layout they were saved at (moepar.checkpoint reshards)")
     names = [n for n, p in engine.module.named_parameters() if is_expert_param(p)]
     missing = [n for n in names if n not in saved["experts"]]
     if missing:

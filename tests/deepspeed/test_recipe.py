@@ -102,3 +102,65 @@ def test_deepspeed_activation_checkpointing_replays_the_right_routing(order):
     # per-expert counts' shapes changed, its reentrant one differs silently.
     for rank, out in enumerate(_results(1, 2, False)):
         assert out["replay"][order] <= 1e-6, (rank, order, out["replay"][order])
+
+
+def _perturbed(state):
+    """A model whose every parameter differs from the initial one's: a load that missed a
+    parameter shows."""
+    model = Net(state)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    return model
+
+
+def _checkpoints_on_ranks(tp, ep, folder):
+    quiet_deepspeed()
+    import moepar.deepspeed as mds
+    state = moepar.init_parallel(tp, ep)
+    init, full, _ = reference(state, "adamw", 2 * STEPS)
+    saved, out = {}, {}
+    for stage in (0, 1, 2):   # STEPS steps, then the engine's checkpoint
+        model = Net(state)
+        model.load_state_dict(init)
+        engine, *_ = mds.initialize(model=model, optimizer=make_optimizer("adamw", model.parameters()),
+                                    config=config(stage), mpu=state)
+        train_engine(engine, STEPS)
+        engine.save_checkpoint(folder, tag=f"zero{stage}")
+        saved[stage] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for before, after in ((0, 0), (1, 1), (2, 2), (1, 2), (2, 1)):   # load, then STEPS more steps
+        model = _perturbed(state)
+        engine, *_ = mds.initialize(model=model, optimizer=make_optimizer("adamw", model.parameters()),
+                                    config=config(after), mpu=state)
+        path, _ = engine.load_checkpoint(folder, tag=f"zero{before}")
+        loaded = max_diff(saved[before], model)
+        train_engine(engine, STEPS, start=STEPS)
+        out[before, after] = path is not None, loaded, max_diff(full, model)
+    if (tp, ep) == (1, 2):   # the same 4 ranks at ep4: a checkpoint of ep2's experts is refused by name
+        state = moepar.init_parallel(1, 4)
+        model = Net(state)
+        engine, *_ = mds.initialize(model=model, optimizer=make_optimizer("adamw", model.parameters()),
+                                    config=config(0), mpu=state)
+        try:
+            engine.load_checkpoint(folder, tag="zero0")
+            out["other layout"] = None
+        except ValueError as e:
+            out["other layout"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2), (1, 4)], ids=["tp1ep2", "tp2ep2", "tp1ep4"])
+def test_engine_checkpoints_load_back_exactly_across_zero_stages(tp, ep, tmp_path):
+    # DeepSpeed writes the module from data-parallel rank 0 only and every rank reads it
+    # back: a rank whose experts are not that rank's would load another rank's experts. The
+    # engine also keeps each expert slice, so that a load (into a model whose every weight
+    # was moved) restores every rank's weights, AdamW's state with them (ZeRO-1 and 2 load
+    # each other's files), and the run continues as if never stopped.
+    for rank, out in enumerate(run_ranks(_checkpoints_on_ranks, 4, tp, ep, str(tmp_path))):
+        for key, value in out.items():
+            if key == "other layout":
+                assert value is not None and "ep_size=2" in value and "ep_size=4" in value, value
+                continue
+            found, loaded, continued = value
+            assert found and loaded == 0.0, (rank, key, loaded)
+            assert continued <= 1e-5, (rank, f"ZeRO-{key[0]} -> ZeRO-{key[1]}", continued)
