@@ -164,3 +164,67 @@ def test_engine_checkpoints_load_back_exactly_across_zero_stages(tp, ep, tmp_pat
             found, loaded, continued = value
             assert found and loaded == 0.0, (rank, key, loaded)
             assert continued <= 1e-5, (rank, f"ZeRO-{key[0]} -> ZeRO-{key[1]}", continued)
+
+
+def _number(text: str, label: str) -> float:
+    """A figure DeepSpeed's profile summary prints after ``label`` ("7.71 K" -> 7710.0)."""
+    line = next(row for row in text.splitlines() if row.startswith(label))
+    value, *unit = line[len(label):].split()
+    return float(value) * {"": 1, "K": 1e3, "M": 1e6, "G": 1e9}[unit[0] if unit else ""]
+
+
+def _profile_on_ranks(tp, ep):
+    import argparse
+    import contextlib
+    import io
+
+    from deepspeed.profiling.flops_profiler import FlopsProfiler
+
+    import moepar.deepspeed as mds
+    from examples.gpt_moe import GPT, GPTConfig
+    from examples.train_gpt_moe import run_spec
+    from moepar.cost import CostLayout, get_hardware
+    from moepar.cost.pipeline import step_cost
+    from moepar.cost.report import build_report
+    quiet_deepspeed()
+    state = moepar.init_parallel(tp, ep)
+    cfg = GPTConfig(vocab_size=32, context=8, layers=2, hidden=16, heads=2, experts=4, topk=2, expert_ffn=16,
+                    dense_ffn=16, init_seed=7)
+    model = GPT(cfg, state)
+    engine, *_ = mds.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                                config=config(1, train_micro_batch_size_per_gpu=2), mpu=state)
+    x = torch.randint(0, 32, (2, 8), generator=torch.Generator().manual_seed(0))   # the same on every rank
+    profiler = FlopsProfiler(model, ds_engine=engine)
+    profiler.start_profile()
+    engine(x, torch.roll(x, -1, 1))
+    profiler.stop_profile()
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        profiler.print_model_profile(profile_step=1, module_depth=0, top_modules=1)
+    per_gpu = profiler.get_total_params()
+    profiler.end_profile()
+    spec = run_spec(argparse.Namespace(batch_size=2 * state.dp_size, microbatches=1), cfg, state, model)
+    report = build_report(step_cost(spec, CostLayout(gpus=4, gpus_per_node=8, tp=tp, ep=ep), get_hardware("h100")))
+    text = printed.getvalue()
+    return {"per_gpu": per_gpu, "model": _number(text, "params of model:"),
+            "fwd_model": _number(text, "fwd flops of model = fwd flops per GPU * mp_size:"),
+            "report": report["params"]}
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 2), (2, 2)], ids=["tp1ep2", "tp2ep2"])
+def test_deepspeed_flops_profiler_beside_moepar_report(tp, ep):
+    # DeepSpeed's profiler on the example GPT-MoE under moepar.deepspeed's engine: it counts
+    # the same parameters per rank as moepar's cost report; with the experts tagged it
+    # multiplies them by ep (right), and everything else by mp_size, which counts a
+    # TP-replicated parameter (router, norms) tp times; and its "fwd flops of model" scales
+    # each rank's own forward by mp_size, so ranks that ran the same model on the same
+    # tokens print different FLOPs: their experts received different routes.
+    results = run_ranks(_profile_on_ranks, 4, tp, ep)
+    for out in results:
+        rep = out["report"]
+        assert out["per_gpu"] == rep["rank"]
+        mp_scaled = rep["rank_dense"] * tp + rep["rank_expert"] * ep
+        assert abs(out["model"] - mp_scaled) <= 0.005 * mp_scaled
+        assert (mp_scaled == rep["total"]) == (tp == 1), (mp_scaled, rep["total"])
+    fwd = [out["fwd_model"] for out in results]
+    assert len(set(fwd)) > 1, fwd
