@@ -24,7 +24,8 @@ divides by dp (moepar's rule), and ZeRO-1/2 partition it over its edp group. Pla
 
 What is refused, each with a ``ValueError`` on every rank before any collective: ZeRO-3
 with expert parameters (DeepSpeed partitions experts at stage 3 only for its AutoEP layers;
-``moepar.fully_shard`` shards them), pipeline stages, expert tensor parallelism,
+``moepar.fully_shard`` shards them), bf16 or fp16 without ZeRO (that optimizer's gradient
+norm leaves the experts out), pipeline stages, expert tensor parallelism,
 sequence-parallel parameters, DeepSpeed's own MoE layers in the same model, its hybrid
 engine, elastic and universal checkpoints.
 
@@ -182,6 +183,11 @@ def check(model: nn.Module, state: ParallelState, config: dict) -> None:
                          f"layers (it refuses its own MoE layer at stage 3 too). Use stage 1 or 2 (optimizer state "
                          f"and gradients sharded, experts over their expert-data-parallel group), or "
                          f"moepar.fully_shard for sharded parameters (docs/fsdp.md)")
+    low = [k for k in ("bf16", "bfloat16", "fp16") if (config.get(k, {}) or {}).get("enabled")]
+    if low and stage == 0:
+        raise ValueError(f"{low[0]}.enabled=true at zero_optimization.stage=0: without ZeRO DeepSpeed steps mixed "
+                         f"precision through its unfused optimizer, whose gradient norm leaves expert gradients out; "
+                         f"use stage 1 or 2 with {low[0]} (tested exact against moepar's own {low[0]} path)")
     if zero.get("elastic_checkpoint"):
         raise ValueError("zero_optimization.elastic_checkpoint=true: DeepSpeed's elastic merge of expert partitions "
                          "assumes its own expert layout (experts within the ranks of one tensor-parallel rank), "

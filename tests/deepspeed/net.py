@@ -109,6 +109,30 @@ def reference(state, kind: str, steps: int, clip: float = CLIP, init: dict | Non
     return init, {n: p.detach().clone() for n, p in model.named_parameters()}, norms
 
 
+def reference_bf16(state, kind: str, steps: int, init: dict, clip: float = CLIP):
+    """moepar's own path in bf16 with fp32 master weights (what DeepSpeed's bf16 ZeRO keeps):
+    the bf16 model's gradients reduced by ``allreduce_gradients``, then in fp32 on the
+    masters (an fp32 copy of the model) clipped by ``clip_grad_norm_`` and stepped, and copied
+    back. Returns the masters after ``steps``."""
+    model, master = Net(state), Net(state)
+    model.load_state_dict(init)
+    model.to(torch.bfloat16)
+    master.load_state_dict(model.state_dict())   # as DeepSpeed's: the masters start from the bf16 weights
+    opt = make_optimizer(kind, master.parameters())
+    for step in range(steps):
+        loss_of(model, model, *batch(step, state, torch.bfloat16)).backward()
+        moepar.allreduce_gradients(model, state)
+        for p, m in zip(model.parameters(), master.parameters()):
+            m.grad, p.grad = p.grad.float(), None
+        moepar.clip_grad_norm_(master, clip, state)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(model.parameters(), master.parameters()):
+                p.copy_(m)
+    return {n: p.detach().clone() for n, p in master.named_parameters()}
+
+
 def train_engine(engine, steps: int, start: int = 0, dtype=torch.float32) -> list[float]:
     losses = []
     for step in range(start, start + steps):

@@ -1,6 +1,7 @@
 """moepar.deepspeed.initialize: DeepSpeed's engine trains a moepar model exactly as moepar's own
 data-parallel path does (ZeRO 0, 1, 2; SGD and AdamW; clipping and the aux losses on every
-step), refuses ZeRO-3 by name, and plain ``deepspeed.initialize(mpu=state)`` refuses at once.
+step; bf16 at ZeRO 1 and 2), refuses ZeRO-3 by name, and plain
+``deepspeed.initialize(mpu=state)`` refuses at once.
 
 Each layout runs in one call on 4 gloo ranks: moepar's own path (the reference, in the same
 processes), then the engines, then the refusals.
@@ -16,7 +17,8 @@ from moepar.parallel.groups import ParallelState
 from moepar.parallel.layout import Layout
 
 from ..helpers.multiproc import run_ranks
-from .net import CLIP, Net, config, make_optimizer, max_diff, quiet_deepspeed, reference, train_engine
+from .net import (CLIP, Net, config, make_optimizer, max_diff, quiet_deepspeed, reference, reference_bf16,
+                  train_engine)
 
 pytest.importorskip("deepspeed")
 
@@ -56,6 +58,18 @@ def _layout_on_ranks(tp, ep):
             assert engine.has_moe_layers and engine.module is model
             train_engine(engine, STEPS)
             out["diff"][kind, stage] = max_diff(ref, engine.module)
+    out["bf16"] = {}
+    for kind, stages in (("sgd", (1, 2)), ("adamw", (1,))):
+        master = reference_bf16(state, kind, STEPS, refs[kind][0])
+        out["bf16"][kind, "scale"] = max(float(m.abs().max()) for m in master.values())
+        for stage in stages:   # the bf16 weights against the reference's fp32 masters rounded to bf16
+            model = Net(state)
+            model.load_state_dict(refs[kind][0])
+            engine, *_ = mds.initialize(model=model, optimizer=make_optimizer(kind, model.parameters()),
+                                        config=config(stage, bf16=True), mpu=state)
+            train_engine(engine, STEPS, dtype=torch.bfloat16)
+            out["bf16"][kind, stage] = max(float((p.float() - master[n].bfloat16().float()).abs().max())
+                                           for n, p in model.named_parameters())
     model = Net(state)
     try:
         mds.initialize(model=model, optimizer=make_optimizer("sgd", model.parameters()), config=config(3), mpu=state)
@@ -86,6 +100,12 @@ def test_zero_stages_train_as_moepars_own_path(tp, ep):
         for (kind, stage), diff in out["diff"].items():
             assert diff <= 1e-5, (tp, ep, rank, kind, f"ZeRO-{stage}", diff)
         assert "zero_optimization.stage=3" in out["zero3"] and "moepar.fully_shard" in out["zero3"], out["zero3"]
+        # bf16 against moepar's own bf16 path with fp32 masters: ZeRO-1 bitwise; ZeRO-2 sums the
+        # bf16 gradients in another order (its bucketed reduce), within two bf16 steps of the
+        # largest weight with SGD (AdamW, which normalises small gradients, amplifies that)
+        bf16 = out["bf16"]
+        assert bf16["sgd", 1] == 0.0 and bf16["adamw", 1] == 0.0, (rank, bf16)
+        assert bf16["sgd", 2] <= 2 ** -7 * bf16["sgd", "scale"], (rank, bf16)
 
 
 @pytest.mark.parametrize("tp,ep", LAYOUTS, ids=[f"tp{tp}ep{ep}" for tp, ep in LAYOUTS])
@@ -125,6 +145,7 @@ def test_check_refuses_what_the_engine_cannot_do_by_name():
         (_state(ep=2, etp=2), config(1), "expert_tensor_parallel_size=2"),
         (_state(ep=2), config(1), "torch.distributed has 1"),
         (one, config(3), "zero_optimization.stage=3"),
+        (one, config(0, bf16=True), "bf16.enabled=true at zero_optimization.stage=0"),
         (one, config(2, zero_optimization={"stage": 2, "elastic_checkpoint": True}), "elastic_checkpoint"),
         (one, config(1, checkpoint={"load_universal": True}), "load_universal"),
         (one, config(1, hybrid_engine={"enabled": True}), "hybrid_engine"),
