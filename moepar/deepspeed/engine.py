@@ -55,6 +55,17 @@ class MoeparEngine(deepspeed.DeepSpeedEngine):
     def clip_fp32_gradients(self):
         self._global_grad_norm = clip_grad_norm_(self.module, self.gradient_clipping(), self.parallel_state)
 
+    def save_checkpoint(self, save_dir, *args, **kwargs):
+        state = self.parallel_state
+        if self.has_moe_layers and state.ep_size % state.tp_size:
+            # DeepSpeed writes each TP rank's module (and, without ZeRO, optimizer) file from the
+            # ranks that are expert-data-parallel rank 0, the first ep ranks: with tp not dividing
+            # ep some TP ranks' files would be missing, and the load would fail
+            raise ValueError(f"engine.save_checkpoint at tp={state.tp_size}, ep={state.ep_size}: DeepSpeed writes "
+                             f"the files of a moepar model's TP ranks only when tp divides ep; save the weights "
+                             f"with moepar.checkpoint.save(path, engine.module) instead")
+        return super().save_checkpoint(save_dir, *args, **kwargs)
+
     def _save_moe_checkpoint(self, save_dir, tag, client_state={}, exclude_frozen_parameters=False):
         super()._save_moe_checkpoint(save_dir, tag, client_state=client_state,
                                      exclude_frozen_parameters=exclude_frozen_parameters)

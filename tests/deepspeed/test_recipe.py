@@ -146,6 +146,16 @@ def _checkpoints_on_ranks(tp, ep, folder):
             out["other layout"] = None
         except ValueError as e:
             out["other layout"] = str(e)
+    if (tp, ep) == (2, 2):   # tp2·ep1: DeepSpeed would leave TP rank 1's files unwritten; refused at save
+        state = moepar.init_parallel(2, 1)
+        model = Net(state)
+        engine, *_ = mds.initialize(model=model, optimizer=make_optimizer("adamw", model.parameters()),
+                                    config=config(1), mpu=state)
+        try:
+            engine.save_checkpoint(folder, tag="tp2ep1")
+            out["tp not dividing ep"] = None
+        except ValueError as e:
+            out["tp not dividing ep"] = str(e)
     return out
 
 
@@ -160,6 +170,9 @@ def test_engine_checkpoints_load_back_exactly_across_zero_stages(tp, ep, tmp_pat
         for key, value in out.items():
             if key == "other layout":
                 assert value is not None and "ep_size=2" in value and "ep_size=4" in value, value
+                continue
+            if key == "tp not dividing ep":
+                assert value is not None and "tp=2, ep=1" in value and "moepar.checkpoint.save" in value, value
                 continue
             found, loaded, continued = value
             assert found and loaded == 0.0, (rank, key, loaded)
