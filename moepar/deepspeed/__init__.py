@@ -32,8 +32,9 @@ engine, elastic and universal checkpoints.
 DeepSpeed is imported only when one of these functions runs: ``import moepar`` and
 ``import moepar.deepspeed`` never import it (the absolute ``import deepspeed`` below finds
 the real package, not this module). Tested with DeepSpeed 0.19.8; the engine subclass
-relies on four of its methods (``_configure_distributed_model``, ``clip_fp32_gradients``,
-``_save_moe_checkpoint``, ``_load_checkpoint``/``load_module_state_dict``), hence the
+(``moepar.deepspeed.engine``) overrides some of its engine's methods
+(``_configure_distributed_model``, ``clip_fp32_gradients``, ``save_checkpoint``,
+``_save_moe_checkpoint``, ``_load_checkpoint``, ``load_module_state_dict``), hence the
 extra's ``<0.20`` bound.
 """
 from __future__ import annotations

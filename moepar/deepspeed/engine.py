@@ -1,7 +1,7 @@
 """DeepSpeed's engine for a model with moepar layers (imports DeepSpeed: only
 ``moepar.deepspeed.initialize`` imports this module).
 
-Four places where DeepSpeed's engine knows only its own MoE layer class:
+Where DeepSpeed's engine knows only its own MoE layer class:
 
 - ``_configure_distributed_model`` sets ``has_moe_layers`` when it finds a
   ``deepspeed.moe.layer.MoE``; the ZeRO optimizers, the gradient reduction and the
@@ -15,7 +15,8 @@ Four places where DeepSpeed's engine knows only its own MoE layer class:
   not data-parallel rank 0's would load another rank's experts. Here each expert slice is
   also written by its expert-data-parallel rank 0 (``EXPERT_FILE``) and read back into the
   module state before DeepSpeed loads it (so that ZeRO's fp32 copies, when refreshed from
-  the module, are right too).
+  the module, are right too). Those files exist for every TP rank only when tp divides ep:
+  ``save_checkpoint`` refuses other layouts before anything is written.
 """
 from __future__ import annotations
 
