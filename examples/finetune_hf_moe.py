@@ -4,6 +4,7 @@ as an HF checkpoint that transformers loads.
   python examples/finetune_hf_moe.py --out /tmp/hfmoe --ep 1               # one process
   torchrun --nproc_per_node 2 examples/finetune_hf_moe.py --out /tmp/hfmoe --ep 2
   torchrun --nproc_per_node 4 examples/finetune_hf_moe.py --out /tmp/hfmoe --tp 2 --ep 2
+  torchrun --nproc_per_node 4 examples/finetune_hf_moe.py --out /tmp/hfmoe --ep 2 --deepspeed zero2.json
 
 1. Rank 0 builds a small Qwen3-MoE causal LM from a config (no download; byte tokens,
    a few million parameters) and saves it as a sharded safetensors checkpoint.
@@ -11,6 +12,9 @@ as an HF checkpoint that transformers loads.
    checkpoint, each MoE block as a moepar ``MoE`` holding only this rank's experts, read
    lazily (the peak RSS line shows what that costs).
 3. A few hundred AdamW steps on the embedded text, loss printed; moepar's aux loss added.
+   With ``--deepspeed CONFIG.json`` (e.g. ``{"zero_optimization": {"stage": 2}}``) DeepSpeed's
+   engine reduces and steps (``moepar.deepspeed.initialize``: ZeRO-2 shards the gradients and
+   AdamW's state, the swapped blocks' experts over their expert-data-parallel group).
 4. ``save_hf_checkpoint`` gathers the experts into an HF checkpoint; rank 0 reloads it with
    plain transformers, checks its logits against the moepar model's, and generates.
 
@@ -22,13 +26,17 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import moepar
-from moepar.hf import load_pretrained, save_hf_checkpoint
+if __package__ in (None, ""):  # run as a script: make `examples` importable (--deepspeed's glue)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import moepar  # noqa: E402
+from moepar.hf import load_pretrained, save_hf_checkpoint  # noqa: E402
 
 TEXT = (
     "A mixture of experts replaces the dense feed-forward layer of a transformer by many "
@@ -55,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-every", type=int, default=20)
     p.add_argument("--no-save", action="store_true", help="stop after training (e.g. for the RSS benchmark)")
+    p.add_argument("--deepspeed", default=None, metavar="CONFIG.json",
+                   help="train under DeepSpeed's engine with this config (e.g. ZeRO-2; docs/deepspeed.md)")
     return p.parse_args(argv)
 
 
@@ -140,15 +150,28 @@ def main(argv=None) -> int:
 
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    engine = None
+    if args.deepspeed:   # the engine reduces (experts over their edp group), shards and steps
+        from examples.deepspeed_glue import read_config
+        from moepar.deepspeed import initialize
+        # (DeepSpeed clips at 1.0 unless told otherwise; this loop does not clip)
+        cfg = read_config(args.deepspeed, {"train_batch_size": args.batch, "gradient_clipping": 0.0,
+                                           "train_micro_batch_size_per_gpu": args.batch // state.dp_size})
+        engine, *_ = initialize(model=model, optimizer=opt, config=cfg, mpu=state)
     t0 = time.time()
     for step in range(args.steps):
         ids = batch(step, args, state)
-        out = model(input_ids=ids, labels=ids)
-        loss = out.loss + moepar.aux_loss(model)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        moepar.allreduce_gradients(model, state)
-        opt.step()
+        if engine is not None:
+            out = engine(input_ids=ids, labels=ids)
+            engine.backward(out.loss + moepar.aux_loss(model))
+            engine.step()
+        else:
+            out = model(input_ids=ids, labels=ids)
+            loss = out.loss + moepar.aux_loss(model)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            moepar.allreduce_gradients(model, state)
+            opt.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             lm = out.loss.detach().clone()
             if dist.is_initialized():

@@ -41,6 +41,7 @@ from moepar import checkpoint  # noqa: E402
 from moepar.parallel import comm  # noqa: E402
 from moepar.parallel.faults import DEFAULT_TIMEOUT, init_distributed  # noqa: E402
 
+from examples import deepspeed_glue  # noqa: E402
 from examples.data import Batches, load_corpus  # noqa: E402
 from examples.gpt_moe import GPT, GPTConfig  # noqa: E402
 from examples.pipeline_steps import (build_pipeline, local_batch, micro_rows,  # noqa: E402,F401
@@ -65,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--fsdp", action="store_true",
                    help="shard parameters, gradients and optimizer state with moepar.fully_shard (FSDP2): "
                         "dense over dp, experts over edp (needs torchrun)")
+    g.add_argument("--deepspeed", default=None, metavar="CONFIG.json",
+                   help="train under DeepSpeed's engine with this config (ZeRO 0-2, bf16, ...; "
+                        "moepar.deepspeed.initialize, docs/deepspeed.md)")
     g = p.add_argument_group("model")
     g.add_argument("--layers", type=int, default=4)
     g.add_argument("--hidden", type=int, default=128)
@@ -204,9 +208,11 @@ def train(args) -> dict:
     if args.rebalance_every < 0 or (args.rebalance_every and not args.redundant_experts):
         raise ValueError(f"--rebalance-every {args.rebalance_every} needs --redundant-experts R > 0 and a "
                          f"period >= 0 (the copies are what a rebalance re-places)")
+    deepspeed_glue.check_args(args)
     device = setup_distributed(args.timeout_seconds)
     corpus = load_corpus(args.data, args.context)
     state, cfg, model, opt = build(args, device)
+    engine = deepspeed_glue.initialize(args, state, model, opt) if args.deepspeed else None
     pipe, micro = getattr(model, "pipeline", None), args.microbatches
     rank0 = state.rank == 0
     log = (lambda *a: print(*a, flush=True)) if rank0 and not args.quiet else (lambda *a: None)
@@ -251,12 +257,15 @@ def train(args) -> dict:
         t0 = time.perf_counter()
         peer_wait = comm.peer_wait_timing() if args.time_peer_wait else contextlib.nullcontext()
         with comm.track() as events, peer_wait:
-            ce, aux = train_step(model, pipe, x, y, micro, device)
-            if not args.fsdp:  # under FSDP the backward pass reduced the gradients
-                moepar.allreduce_gradients(model, state)
-            moepar.clip_grad_norm_(model, args.clip, state)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            if engine is not None:   # the engine reduces, clips and steps
+                ce, aux = deepspeed_glue.train_step(engine, x, y, micro, device)
+            else:
+                ce, aux = train_step(model, pipe, x, y, micro, device)
+                if not args.fsdp:  # under FSDP the backward pass reduced the gradients
+                    moepar.allreduce_gradients(model, state)
+                moepar.clip_grad_norm_(model, args.clip, state)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
             loss = _mean_over_dp(ce, state)
             if args.rebalance_every and (step + 1) % args.rebalance_every == 0:
                 rebalance_calls += 1
@@ -301,7 +310,9 @@ def train(args) -> dict:
     metrics["wall_seconds"] = time.perf_counter() - t_start
     if args.steps > start:
         metrics["replicas"] = moepar.placement_state(model)
-        checkpoint.save_checkpoint(ckpt_dir, args.steps, model, opt, {"metrics": metrics}, state)
+        # (under --deepspeed the optimizer state is DeepSpeed's: the weights alone)
+        checkpoint.save_checkpoint(ckpt_dir, args.steps, model, opt if engine is None else None,
+                                   {"metrics": metrics}, state)
     metrics["received_rows"] = received_rows
     metrics["replica_copies"] = replica_copies
     metrics["replica_returned"] = replica_returned

@@ -1,5 +1,5 @@
 # Sourced by the other scripts: make .venv (once) with the pinned CPU torch first, then
-# moepar itself with its dev, plot and hf extras, and activate it.
+# moepar itself with its dev, plot, hf and deepspeed extras, and activate it.
 # MOEPAR_VENV overrides the location; MOEPAR_TORCH the torch requirement installed first.
 set -euo pipefail
 VENV="${MOEPAR_VENV:-.venv}"
@@ -14,6 +14,6 @@ if ! python -c "import torch" 2>/dev/null; then
     # The CPU build of a known version first: a bare "torch" would pull a multi-GB CUDA build.
     python -m pip install -q "${MOEPAR_TORCH:-torch==2.13.0}"
 fi
-if ! python -c "import moepar, moepar_kernels, pytest, triton, transformers, safetensors" 2>/dev/null; then
-    python -m pip install -q -e ".[dev,plot,hf]"
+if ! python -c "import moepar, moepar_kernels, pytest, triton, transformers, safetensors, deepspeed" 2>/dev/null; then
+    python -m pip install -q -e ".[dev,plot,hf,deepspeed]"
 fi

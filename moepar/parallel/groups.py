@@ -233,6 +233,19 @@ class ParallelState:
     def get_data_parallel_rank(self) -> int: return self.dp_rank
     def get_data_parallel_world_size(self) -> int: return self.dp_size
     def get_data_parallel_group(self): return self.dp_group
+
+    def get_sequence_data_parallel_group(self):
+        """The group DeepSpeed's engine reduces, broadcasts and partitions every parameter
+        over (it asks its mpu for it while it builds the engine, before any collective).
+        That is right for this state only under pure data parallelism: with model or expert
+        parallelism moepar's experts live on other groups, so the engine would train a
+        moepar model silently wrong, and this raises a ``ValueError`` naming
+        ``moepar.deepspeed.initialize``, which hands the layout to DeepSpeed correctly."""
+        from ..deepspeed import plain_engine_error   # no DeepSpeed import: the message only
+        error = plain_engine_error(self)
+        if error is not None:
+            raise ValueError(error)
+        return self.dp_group
     # Megatron parallel_state names.
     get_tensor_model_parallel_rank = get_model_parallel_rank
     get_tensor_model_parallel_world_size = get_model_parallel_world_size
