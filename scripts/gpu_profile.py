@@ -84,8 +84,8 @@ def section_profile() -> None:
     for label, (pf, uf) in {"eager Functions": (pm._permute_call, pm._unpermute_call),
                             "custom ops": (pm._permute_op, pm._unpermute_op)}.items():
         def pair(pf=pf, uf=uf):
-            x_ND, _, rm = pf(xr, ids, None, 8, None, ids.numel(), "auto")
-            uf(x_ND, rm, w, xr.shape[0], "auto").sum().backward()
+            x_ND, _, rm, route_N = pf(xr, ids, None, 8, None, ids.numel(), "auto", False)
+            uf(x_ND, rm, w, xr.shape[0], "auto", route_N).sum().backward()
         best = min(timed(pair, 50)[1] for _ in range(3))
         record(f"permute+unpermute fwd+bwd via {label}", True, f"{best * 1e6:.1f} us a pair (best of 3 x 50)")
 
@@ -127,7 +127,7 @@ def section_hostprof() -> None:
     n = ids.numel()
     parts = {
         "routing (public)": lambda: rk.routing(logits, 2),
-        "routing _launch (no op wrapper)": lambda: rk._launch(logits, 2, "softmax", None, False, 1.0, 0, 0),
+        "routing _launch (no op wrapper)": lambda: rk._launch(logits, 2, "softmax", None, False, 1.0, 0.0, 0, 0),
         "permute (public, num_rows)": lambda: pm.permute(xr, ids, None, 8, num_rows=n),
         "route_index": lambda: pm.route_index(ids, None, 8, None, n),
         "torch.empty_like": lambda: torch.empty_like(xr),
