@@ -119,33 +119,35 @@ class HFExperts(GroupedExperts, _Marked):
 
     # ---- the canonical (moepar) layout as views of the HF tensors --------------------------
 
-    def _hf(self, key: str, grads: bool = False):
+    def _hf(self, key: str, grads: bool = False, full: bool = False):
         t = self.get_parameter(key)
         if grads:
             t = t.grad if t.grad is not None else torch.zeros_like(t)
-        return t
+        return unsharded(t) if full else t
 
     def _experts(self) -> list[int]:
         return [self.first_expert + e for e in range(self.num_local_experts)]
 
-    def canonical(self, names=CANONICAL, grads: bool = False) -> dict[str, torch.Tensor]:
+    def canonical(self, names=CANONICAL, grads: bool = False, full: bool = False) -> dict[str, torch.Tensor]:
         """This rank's w1 [L, D, Fl], w3, w2 [L, Fl, D], b1/b3 [L, Fl], b2 [L, D] (those the
         experts have) as views of the HF tensors (Switch: stacked copies); ``grads``: of
-        their gradients (zeros where there is none)."""
+        their gradients (zeros where there is none). ``full``: of the tensors FSDP2 sharded,
+        all-gathered first (``unsharded``; a collective over each tensor's FSDP2 group)."""
         lay, out = self.hf_layout, {}
         gated = self.activation in GATED
         if lay == "per_expert":
             for n, sub in (("w1", "wi"), ("w2", "wo")):
                 if n in names:
-                    out[n] = torch.stack([self._hf(f"expert_{g}.{sub}.weight", grads).t() for g in self._experts()])
+                    out[n] = torch.stack([self._hf(f"expert_{g}.{sub}.weight", grads, full).t()
+                                          for g in self._experts()])
             return out
-        gu, down = self._hf("gate_up_proj", grads), self._hf("down_proj", grads)
+        gu, down = self._hf("gate_up_proj", grads, full), self._hf("down_proj", grads, full)
         out = {"w2": down.transpose(1, 2) if lay == "fused_chunk" else down}
         if "w1" in names or "w3" in names:
             out["w1"], out["w3"] = views.split_gate_up(gu, lay, 2)
         if lay == "interleaved":                      # + biases [L, 2Fl], [L, D]
-            out["b1"], out["b3"] = views.split_gate_up(self._hf("gate_up_proj_bias", grads), lay, 1)
-            out["b2"] = self._hf("down_proj_bias", grads)
+            out["b1"], out["b3"] = views.split_gate_up(self._hf("gate_up_proj_bias", grads, full), lay, 1)
+            out["b2"] = self._hf("down_proj_bias", grads, full)
         if not gated:
             out.pop("w3", None)
         return {n: t for n, t in out.items() if n in names}
@@ -313,16 +315,27 @@ class HFSharedExperts(SharedExperts):
     gate = property(lambda self: self.__dict__["_gate"])
 
 
-def canonical_local(ex, grads: bool = False) -> dict[str, torch.Tensor]:
+def unsharded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as this rank holds it without FSDP2: a DTensor (a parameter or gradient that
+    ``moepar.fully_shard`` sharded over its data-parallel group) all-gathered over its mesh (a
+    collective: every rank of the mesh calls it, for the same tensors in the same order);
+    any other tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return t if full is None else full()
+
+
+def canonical_local(ex, grads: bool = False, full: bool = False) -> dict[str, torch.Tensor]:
     """This rank's expert tensors (or their gradients, zeros where none) in moepar's layout
-    (w1 [L, D, Fl] ...), of a ``GroupedExperts`` or the HF-layout ``HFExperts``."""
+    (w1 [L, D, Fl] ...), of a ``GroupedExperts`` or the HF-layout ``HFExperts``; ``full``:
+    FSDP2's shards all-gathered first (``unsharded``, a collective)."""
     if isinstance(ex, HFExperts):
-        return ex.canonical(grads=grads)
+        return ex.canonical(grads=grads, full=full)
     out = {}
     for name in CANONICAL:
         p = getattr(ex, name, None)
         if p is not None:
-            out[name] = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+            t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+            out[name] = unsharded(t) if full else t
     return out
 
 
