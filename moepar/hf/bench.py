@@ -8,13 +8,17 @@ layout (``w1`` / ``w3`` / ``w2``), forward + backward, interleaved.
 Both layers are built from one transformers block of the family (one process, fp32, the
 same weights, the same routing), so the only difference is where the expert tensors live.
 Each round times one step of each (``zero_grad(set_to_none=True)``, forward, ``sum(y * g)``
-backward), in alternating order; the table gives the medians and the median of the
-per-round ratios (HF layout / moepar layout), which a drift of the machine's speed during
-the run moves least.
+backward), in alternating order; the table gives the medians, the median of the per-round
+ratios (HF layout / moepar layout), which a drift of the machine's speed during the run moves
+least, and the minor page faults per step (a fresh buffer of a few MiB or more is faulted in
+page by page). ``--clock cpu`` counts the process's CPU seconds instead of wall time: on a
+machine shared with other jobs wall time mostly measures the scheduler (with ``--threads 1``,
+so that no idle thread's spinning is counted).
 """
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
@@ -72,9 +76,13 @@ def step_fn(module, x: torch.Tensor, g: torch.Tensor):
     return step
 
 
-def run(family: str, tokens: int, hidden: int, ffn: int, experts: int, k: int, rounds: int, warmup: int = 2
-        ) -> dict:
-    """Medians (seconds) of each layout's step and of the per-round ratios, for one family."""
+def _faults() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+
+def run(family: str, tokens: int, hidden: int, ffn: int, experts: int, k: int, rounds: int, warmup: int = 2,
+        clock: str = "wall") -> dict:
+    """Medians (seconds, page faults) of each layout's step and of the per-round ratios."""
     ours, hf = pair(family, hidden, ffn, experts, k)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(1, tokens, hidden, generator=gen)
@@ -83,15 +91,20 @@ def run(family: str, tokens: int, hidden: int, ffn: int, experts: int, k: int, r
     for _ in range(warmup):
         for fn in steps.values():
             fn()
+    now = time.perf_counter if clock == "wall" else time.process_time
     times = {name: [] for name in steps}
+    faults = {name: [] for name in steps}
     for r in range(rounds):
         for name in (("moepar", "hf") if r % 2 == 0 else ("hf", "moepar")):
-            t0 = time.perf_counter()
+            f0, t0 = _faults(), now()
             steps[name]()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(now() - t0)
+            faults[name].append(_faults() - f0)
     ratios = [h / m for h, m in zip(times["hf"], times["moepar"])]
-    return {"moepar": statistics.median(times["moepar"]), "hf": statistics.median(times["hf"]),
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)}
+    med = statistics.median
+    return {"moepar": med(times["moepar"]), "hf": med(times["hf"]), "ratio": med(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "faults_moepar": med(faults["moepar"]), "faults_hf": med(faults["hf"])}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,6 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("-k", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=24)
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall time, or this process's CPU seconds (steadier on a shared machine)")
     args = ap.parse_args(argv)
     families = [f for f in args.families.split(",") if f]
     bad = [f for f in families if f not in _SIZES]
@@ -113,14 +128,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"forward + backward, fp32, T {args.tokens}, D {args.hidden}, F {args.ffn}, E {args.experts}, "
-          f"k {args.k}, {args.rounds} interleaved rounds, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    print(f"{'family':<20} {'layout':<13} {'moepar ms':>10} {'HF ms':>10} {'HF / moepar':>12}  (min - max)")
+          f"k {args.k}, {args.rounds} interleaved rounds, {args.clock} clock, {torch.get_num_threads()} threads, "
+          f"torch {torch.__version__}")
+    print(f"{'family':<20} {'layout':<13} {'moepar ms':>10} {'HF ms':>10} {'HF / moepar':>12} {'(min - max)':>15}"
+          f" {'faults moepar':>14} {'faults HF':>10}")
     from .families import family_of
     for fam in families:
-        r = run(fam, args.tokens, args.hidden, args.ffn, args.experts, args.k, args.rounds)
+        r = run(fam, args.tokens, args.hidden, args.ffn, args.experts, args.k, args.rounds, clock=args.clock)
         layout = family_of(type("C", (), {"model_type": fam})).layout
-        print(f"{fam:<20} {layout:<13} {r['moepar'] * 1e3:>10.1f} {r['hf'] * 1e3:>10.1f} {r['ratio']:>12.3f}  "
-              f"({r['ratio_min']:.3f} - {r['ratio_max']:.3f})", flush=True)
+        spread = f"({r['ratio_min']:.3f} - {r['ratio_max']:.3f})"
+        print(f"{fam:<20} {layout:<13} {r['moepar'] * 1e3:>10.1f} {r['hf'] * 1e3:>10.1f} {r['ratio']:>12.3f} "
+              f"{spread:>15} {r['faults_moepar']:>14.0f} {r['faults_hf']:>10.0f}", flush=True)
     return 0
 
 
