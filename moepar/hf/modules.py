@@ -16,10 +16,11 @@ transformers block it replaces, in place, keeping their values:
 The moepar names stay as read-only views (``experts.w1`` ..., ``router.expert_bias``,
 ``shared.w1`` ...), so that the layer's code and moepar's tools read them unchanged.
 ``GroupedExperts.weights()`` is the one place the GEMMs read the expert weights: here it
-returns views of the HF tensors (transposes and slices, no copy; GPT-OSS's interleaved gate /
-up and Switch's per-expert tensors: copies), and autograd carries the gradients back to the
-HF tensors, written by the GEMMs straight into transformers' layouts where the layout allows
-(``weight_grad_buffers``; ``moepar.hf.views``).
+returns views of the HF tensors (transposes and slices, no copy; GPT-OSS's fused interleaved
+gate / up as it is, with an activation that reads gate and up from alternate columns;
+Switch's per-expert tensors stacked, a copy), and autograd carries the gradients back to the
+HF tensors, written by the GEMMs straight into transformers' layouts (``weight_grad_buffers``;
+``moepar.hf.views``).
 
 Every expert tensor keeps moepar's markers (``moepar_expert``, ``moepar_expert_partition_dim``
 of its own layout), also when transformers' loader replaces the Parameter object
@@ -95,8 +96,15 @@ class HFExperts(GroupedExperts, _Marked):
                 local[n] = p
         ex.__class__ = cls
         ex.hf_layout = fam.layout
+        if fam.layout == "interleaved" and ex.activation in GATED:   # one GEMM for gate and up
+            ex._act = views.InterleavedGLU(ex._act)
         ex._family = fam
         hf = ex._hf_from_canonical({n: p.detach() for n, p in local.items()})
+        if fam.layout == "per_expert":   # each expert's tensor a row of one [L, ...] block: no stack (StackT)
+            for sub in ("wi.weight", "wo.weight"):
+                keys = [f"expert_{g}.{sub}" for g in ex._experts()]
+                block = torch.stack([hf[k].detach() for k in keys])
+                hf.update(zip(keys, block.unbind(0)))
         grad = local["w1"].requires_grad
         for key, t in hf.items():
             if fam.layout == "per_expert":
@@ -153,15 +161,15 @@ class HFExperts(GroupedExperts, _Marked):
         return {n: t for n, t in out.items() if n in names}
 
     def weights(self) -> tuple:
-        """The canonical tensors the GEMMs read (``moepar.hf.views``): views of the HF tensors,
-        but GPT-OSS's interleaved gate / up columns copied out in one pass (a stride-2 view is
-        no GEMM operand) and Switch's per-expert tensors stacked (copies, differentiable)."""
+        """The tensors the GEMMs read (``moepar.hf.views``): moepar's layout as views of the HF
+        tensors; GPT-OSS's fused interleaved gate / up as it is, in the place of w1 / b1 (its
+        activation takes gate and up from the GEMM's even and odd columns); Switch's
+        per-expert tensors stacked (a copy, differentiable)."""
         lay = self.hf_layout
-        if lay == "interleaved":
-            c = self.canonical(("w2", "b2"))
-            c["w1"], c["w3"] = views.Deinterleave.apply(self._hf("gate_up_proj"))
-            c["b1"], c["b3"] = views.Deinterleave.apply(self._hf("gate_up_proj_bias"))
-        elif lay == "per_expert":
+        if lay == "interleaved":   # the fused tensors as they are: w1, b1 of InterleavedGLU (adopt)
+            return (self._hf("gate_up_proj"), self._hf("down_proj"), None, self._hf("gate_up_proj_bias"),
+                    self._hf("down_proj_bias"), None)
+        if lay == "per_expert":
             c = {n: views.StackT.apply(*[self._hf(f"expert_{g}.{sub}.weight") for g in self._experts()])
                  for n, sub in (("w1", "wi"), ("w2", "wo"))}
         else:
@@ -186,7 +194,7 @@ class HFExperts(GroupedExperts, _Marked):
         views of moepar's layout that ``ExpertsFunction``'s backward writes into
         (``GroupedExperts.weight_grad_buffers``); autograd then hands each HF tensor its
         gradient without a copy (``moepar.hf.views``). GPT-OSS's interleaved gate / up: none
-        (its gradients are interleaved by ``Deinterleave``)."""
+        (the GEMMs' fused gradient is transformers' layout already)."""
         lay, L = self.hf_layout, self.num_local_experts
 
         def fresh(key):
@@ -198,7 +206,7 @@ class HFExperts(GroupedExperts, _Marked):
                 p = self._hf(f"expert_{self.first_expert}.{sub}.weight")
                 out[n] = cpu.empty((L, *p.shape), p.dtype, p.device).transpose(1, 2)
             return out
-        if lay == "interleaved":
+        if lay == "interleaved":   # its fused gradient is the GEMMs' own (weights())
             return {}
         down = fresh("down_proj")
         out = {"w2": down.transpose(1, 2) if lay == "fused_chunk" else down}

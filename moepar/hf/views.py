@@ -13,13 +13,16 @@ copy). Per layout (``moepar.hf.families``):
   gradients in transformers' layouts (``grad_buffers``, handed to ``ExpertsFunction``), and
   ``SplitGateUp`` then recognises its two gradients as the halves of one fused gradient and
   returns that: no gradient is copied. Any other pair of gradients is concatenated.
-- "interleaved" (GPT-OSS, gate columns 0::2, up 1::2): a stride-2 view is no GEMM operand, so
-  ``Deinterleave`` copies gate and up out in one pass each forward, and interleaves their
-  gradients back in one pass: one copy each way (a GEMM over the fused columns would need
-  none, but moepar's GEMMs compute the gate and the up projections apart).
-- "per_expert" (Switch, one ``wi`` [Fl, D] / ``wo`` [D, Fl] per expert): ``StackT`` copies
-  the experts' tensors into one [L, ...] buffer each forward; their gradients are views of
-  one gradient buffer (no copy).
+- "interleaved" (GPT-OSS, gate columns 0::2, up 1::2): a stride-2 view is no GEMM operand,
+  so the GEMMs read the fused ``gate_up_proj`` [L, D, 2Fl] (and its bias) as it is, as their
+  "w1" without a "w3": one GEMM gives the interleaved pre-activations [N, 2Fl], and the
+  activation (``InterleavedGLU``) takes gate and up from its even and odd columns. The weight
+  gradient then comes out of one GEMM in transformers' layout: nothing is copied but the
+  activation's gradient, interleaved into one [N, 2Fl] buffer.
+- "per_expert" (Switch, one ``wi`` [Fl, D] / ``wo`` [D, Fl] per expert): ``adopt`` makes the
+  experts' Parameters the rows of one [L, ...] block, which ``StackT`` hands the GEMMs as it
+  is; where they are not (a loader or ``.to()`` gave each its own storage) it copies them
+  into one buffer. Their gradients are views of one gradient buffer (no copy).
 
 Every buffer here comes from moepar's CPU buffer pool (``moepar.moe.cpu``), as the
 gradients of moepar's own layout do: a fresh buffer of this size would be faulted in page by
@@ -101,40 +104,58 @@ def split_gate_up(fused: torch.Tensor, layout: str, dim: int):
     return split(fused, layout, dim)
 
 
-class Deinterleave(torch.autograd.Function):
-    """Interleaved (gate, up) columns [..., 2Fl] (0::2 gate, 1::2 up) as two contiguous
-    [..., Fl] tensors, copied in one pass into one pooled buffer; the backward interleaves the
-    two gradients into one pooled gradient, also in one pass."""
+class InterleavedGLU:
+    """A gated activation (``inner``: ``ClampedSwiGLU``, ``Elementwise``) over interleaved
+    pre-activations h [N, 2Fl] (gate columns 0::2, up 1::2): what one GEMM on transformers'
+    fused ``gate_up_proj`` gives. ``forward`` -> a [N, Fl]; ``backward`` writes d gate and
+    d up into one interleaved gradient [N, 2Fl] (pooled), so that the experts' backward
+    computes the fused weight gradient [L, D, 2Fl] in one GEMM, in transformers' layout.
+    ``ExpertsFunction`` sees an activation without an up projection (``gated`` False)."""
 
-    @staticmethod
-    def forward(ctx, fused):
-        ctx.shape = tuple(fused.shape)
-        *lead, two_f = fused.shape
-        out = cpu.empty((2, *lead, two_f // 2), fused.dtype, fused.device)
-        out.copy_(fused.unflatten(-1, (two_f // 2, 2)).movedim(-1, 0))
-        return out[0], out[1]
+    gated = False
 
-    @staticmethod
-    def backward(ctx, g_gate, g_up):
-        like = g_gate if g_gate is not None else g_up
-        out = cpu.empty(ctx.shape, like.dtype, like.device)
-        pairs = out.unflatten(-1, (ctx.shape[-1] // 2, 2))
-        for i, g in enumerate((g_gate, g_up)):
-            if g is None:
-                pairs[..., i].zero_()
-            else:
-                pairs[..., i].copy_(g)
-        return out
+    def __init__(self, inner):
+        self.inner = inner
+
+    def forward(self, h: torch.Tensor, _unused=None) -> torch.Tensor:
+        return self.inner.forward(h[:, 0::2], h[:, 1::2])
+
+    def backward(self, ga: torch.Tensor, h: torch.Tensor, _unused=None):
+        g_gate, g_up = self.inner.backward(ga, h[:, 0::2], h[:, 1::2])
+        gh = cpu.empty_like_rows(h, h.shape[0])
+        gh[:, 0::2].copy_(g_gate)
+        gh[:, 1::2].copy_(g_up)
+        return gh, None
+
+
+def rows_of_one_block(tensors) -> torch.Tensor | None:
+    """The contiguous [L, ...] block whose rows are exactly ``tensors`` (contiguous, in order,
+    one after the other in one storage), or None."""
+    first = tensors[0]
+    if not all(t.is_contiguous() and t.shape == first.shape and t.dtype == first.dtype for t in tensors):
+        return None
+    ptr, n = first.untyped_storage().data_ptr(), first.numel()
+    if any(t.untyped_storage().data_ptr() != ptr or t.storage_offset() != first.storage_offset() + e * n
+           for e, t in enumerate(tensors)):
+        return None
+    shape = (len(tensors), *first.shape)
+    if (first.storage_offset() + shape[0] * n) * first.element_size() > first.untyped_storage().nbytes():
+        return None
+    return first.as_strided(shape, (n, *first.stride()), first.storage_offset())
 
 
 class StackT(torch.autograd.Function):
-    """Per-expert tensors [A, B] (one Parameter each) as one [L, B, A] tensor: each copied
-    whole into its row of a pooled [L, A, B] buffer, which is returned transposed (the GEMMs
-    read it as it is). The backward hands each expert its row of the gradient, transposed
-    back: a view, contiguous when the gradient is the transpose of a contiguous buffer."""
+    """Per-expert tensors [A, B] (one Parameter each) as one [L, B, A] tensor, transposed (the
+    GEMMs read it as it is): the block they are the rows of where they are (``adopt`` builds
+    them so: no copy), else each copied into its row of a pooled [L, A, B] buffer. The
+    backward hands each expert its row of the gradient, transposed back: a view, contiguous
+    when the gradient is the transpose of a contiguous buffer (``grad_buffers``)."""
 
     @staticmethod
     def forward(ctx, *tensors):
+        block = rows_of_one_block(tensors)
+        if block is not None:
+            return block.transpose(1, 2)
         first = tensors[0]
         out = cpu.empty((len(tensors), *first.shape), first.dtype, first.device)
         for e, t in enumerate(tensors):
