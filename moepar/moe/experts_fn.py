@@ -420,7 +420,10 @@ class _BmmGemm:
         return out
 
     def wgrad(self, x, g, out=None):
-        return _into(torch.bmm(self._3d(x).transpose(1, 2), self._3d(g)), out)
+        if out is None:
+            return torch.bmm(self._3d(x).transpose(1, 2), self._3d(g))
+        # straight into the caller's buffer, whatever its strides (a transposed one: moepar.hf)
+        return torch.bmm(self._3d(x).transpose(1, 2), self._3d(g), out=out)
 
     def bias_grad(self, g, out=None):
         return _into(self._3d(g).sum(1), out)
