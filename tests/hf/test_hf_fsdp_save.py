@@ -50,11 +50,11 @@ def fsdp_save_worker(tp: int, ep: int, families: list[str], path: str) -> dict:
 
 
 def test_save_hf_checkpoint_under_fsdp2_equals_the_one_without(tmp_path):
-    # tp1 x ep2 on 2 ranks (dense sharded over dp 2, one expert-data replica) and on 4 ranks
-    # (dp 4: the experts sharded over edp 2 as well)
-    for world in (2, 4):
+    # tp1 x ep2 on 2 ranks (dense sharded over dp 2, one expert-data replica), every layout,
+    # and on 4 ranks (dp 4: the experts sharded over edp 2 as well), one family
+    for world, families in ((2, FAMILIES), (4, FAMILIES[:1])):
         path = str(tmp_path / f"world{world}")
-        for rank, per_family in enumerate(run_ranks(fsdp_save_worker, world, 1, 2, FAMILIES, path)):
+        for rank, per_family in enumerate(run_ranks(fsdp_save_worker, world, 1, 2, families, path)):
             for family, (got_ok, plain_ok, disk_ok, sharded) in per_family.items():
                 assert got_ok and plain_ok and disk_ok, (world, rank, family, got_ok, plain_ok, disk_ok)
                 assert sharded == (world == 4), (world, rank, family, sharded)
