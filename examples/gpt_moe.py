@@ -134,11 +134,18 @@ class GPT(nn.Module):
     """The whole model, or with ``stage=(index, num_stages)`` one pipeline stage of it: the
     embedding on stage 0, ``layers / num_stages`` consecutive blocks (in a ModuleDict keyed
     by their index in the whole model, so parameter names are the whole model's), the
-    final norm and head on the last stage. Every part is initialised as in the whole model."""
+    final norm and head on the last stage. Every part is initialised as in the whole model.
+    A ``stage`` that is not such a pair (``0 <= index < num_stages <= layers``, integers,
+    ``num_stages`` dividing ``layers``) is refused by name before anything is built."""
 
     def __init__(self, cfg: GPTConfig, state: moepar.ParallelState | None = None,
                  stage: tuple[int, int] | None = None):
         super().__init__()
+        if stage is not None:
+            from moepar.parallel.pipeline import check_stage
+            if not isinstance(stage, (tuple, list)) or len(stage) != 2:
+                raise ValueError(f"stage={stage!r} must be a pair (index, num_stages)")
+            check_stage(stage[0], stage[1], cfg.layers)
         state = state if state is not None else moepar.get_parallel_state()
         self.cfg, self.state = cfg, state
         if cfg.sequence_parallel and cfg.context % state.tp_size:
@@ -146,6 +153,8 @@ class GPT(nn.Module):
                              f"{state.tp_size} (sequence parallelism splits the sequence)")
         index, num_stages = stage if stage is not None else (0, 1)
         self.is_first, self.is_last = index == 0, index == num_stages - 1
+        # checked by moepar.Pipeline against the stage it runs this module as
+        self.pipeline_stage = (index, num_stages) if stage is not None else None
         if self.is_first:
             self.embed = moepar.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, init_seed=cfg.init_seed,
                                                        sequence_parallel=cfg.sequence_parallel,

@@ -28,7 +28,7 @@ from . import families
 from .families import Family
 from .block import HFMoEBlock
 from .init import hook_init_weights
-from .modules import CANONICAL_PDIM, canonical_local
+from .modules import CANONICAL_PDIM, canonical_local, unsharded
 
 
 class DictSource:
@@ -138,16 +138,18 @@ def hf_state_dict(moe: MoE, config, prefix: str = "", grads: bool = False) -> di
     """The HF block's tensors (``prefix`` + its keys), full, on every rank: experts gathered
     over EP (and ETP), shared experts over TP, each in the dtype the block holds it.
     A collective: call it on every rank. ``grads=True``: the parameters' gradients in the
-    same layout (buffers left out)."""
+    same layout (buffers left out). Under ``moepar.fully_shard`` (FSDP2) each sharded tensor
+    is first all-gathered over its FSDP2 group (dense ones over DP, experts over EDP), then
+    gathered over EP / TP as without it."""
     fam = families.family_of(config)
     st, ex = moe.state, moe.experts
 
     def val(p):
         if p is None:
             return None
-        return (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+        return unsharded((p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p)
     full = {}
-    for name, t in canonical_local(ex, grads).items():
+    for name, t in canonical_local(ex, grads, full=True).items():
         t = t.detach()
         if CANONICAL_PDIM[name] is not None and st.etp_size > 1:
             t = _gather(t, st.etp_group, CANONICAL_PDIM[name])
@@ -207,12 +209,16 @@ def replace_moe_blocks(model: nn.Module, state: ParallelState | None = None, *, 
 def hf_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The HF state dict of a model whose blocks ``replace_moe_blocks`` swapped: its own
     tensors, with every ``HFMoEBlock`` written back as the HF block's keys (gathered; a
-    collective, call it on every rank). transformers loads it into the original class."""
+    collective, call it on every rank). transformers loads it into the original class.
+    Under ``moepar.fully_shard`` (FSDP2) the sharded parameters are all-gathered (dense ones
+    over DP, the experts over EDP, then over EP / TP): the same state dict as without it."""
     blocks = {n: m for n, m in model.named_modules() if isinstance(m, HFMoEBlock)}
     out = {}
     for key, t in model.state_dict().items():   # the blocks' own shards: replaced by the gathered ones
         if not any(key.startswith(n + ".") for n in blocks):
-            out[key] = t.detach().clone()   # clone: tied tensors become separate for safetensors
+            t = t.detach()
+            # clone: tied tensors become separate for safetensors (full_tensor's result is new)
+            out[key] = t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
     for n, m in blocks.items():
         out.update(hf_state_dict(m.moe, m.hf_config, prefix=n + "."))
     return out

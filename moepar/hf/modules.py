@@ -16,8 +16,11 @@ transformers block it replaces, in place, keeping their values:
 The moepar names stay as read-only views (``experts.w1`` ..., ``router.expert_bias``,
 ``shared.w1`` ...), so that the layer's code and moepar's tools read them unchanged.
 ``GroupedExperts.weights()`` is the one place the GEMMs read the expert weights: here it
-returns views of the HF tensors (transposes and slices, no copy; Switch: a stack of the
-per-expert tensors, a copy), and autograd carries the gradients back to the HF tensors.
+returns views of the HF tensors (transposes and slices, no copy; GPT-OSS's fused interleaved
+gate / up as it is, with an activation that reads gate and up from alternate columns;
+Switch's per-expert tensors stacked, a copy), and autograd carries the gradients back to the
+HF tensors, written by the GEMMs straight into transformers' layouts (``weight_grad_buffers``;
+``moepar.hf.views``).
 
 Every expert tensor keeps moepar's markers (``moepar_expert``, ``moepar_expert_partition_dim``
 of its own layout), also when transformers' loader replaces the Parameter object
@@ -31,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from moepar.moe import cpu
 from moepar.moe.activations import GATED
 from moepar.moe.experts import GroupedExperts
 from moepar.moe.layer import MoE
@@ -38,7 +42,7 @@ from moepar.moe.layer_options import SharedExperts
 from moepar.parallel.fsdp import copy_local
 from moepar.moe.router import TopKRouter
 
-from . import families
+from . import families, views
 
 CANONICAL = ("w1", "w2", "w3", "b1", "b2", "b3")   # the order of GroupedExperts.weights()
 # the dim each canonical tensor is sliced along by expert TP (GroupedExperts' markers)
@@ -92,8 +96,15 @@ class HFExperts(GroupedExperts, _Marked):
                 local[n] = p
         ex.__class__ = cls
         ex.hf_layout = fam.layout
+        if fam.layout == "interleaved" and ex.activation in GATED:   # one GEMM for gate and up
+            ex._act = views.InterleavedGLU(ex._act)
         ex._family = fam
         hf = ex._hf_from_canonical({n: p.detach() for n, p in local.items()})
+        if fam.layout == "per_expert":   # each expert's tensor a row of one [L, ...] block: no stack (StackT)
+            for sub in ("wi.weight", "wo.weight"):
+                keys = [f"expert_{g}.{sub}" for g in ex._experts()]
+                block = torch.stack([hf[k].detach() for k in keys])
+                hf.update(zip(keys, block.unbind(0)))
         grad = local["w1"].requires_grad
         for key, t in hf.items():
             if fam.layout == "per_expert":
@@ -116,43 +127,93 @@ class HFExperts(GroupedExperts, _Marked):
 
     # ---- the canonical (moepar) layout as views of the HF tensors --------------------------
 
-    def _hf(self, key: str, grads: bool = False):
+    def _hf(self, key: str, grads: bool = False, full: bool = False):
         t = self.get_parameter(key)
         if grads:
             t = t.grad if t.grad is not None else torch.zeros_like(t)
-        return t
+        return unsharded(t) if full else t
 
     def _experts(self) -> list[int]:
         return [self.first_expert + e for e in range(self.num_local_experts)]
 
-    def canonical(self, names=CANONICAL, grads: bool = False) -> dict[str, torch.Tensor]:
+    def canonical(self, names=CANONICAL, grads: bool = False, full: bool = False) -> dict[str, torch.Tensor]:
         """This rank's w1 [L, D, Fl], w3, w2 [L, Fl, D], b1/b3 [L, Fl], b2 [L, D] (those the
         experts have) as views of the HF tensors (Switch: stacked copies); ``grads``: of
-        their gradients (zeros where there is none)."""
+        their gradients (zeros where there is none). ``full``: of the tensors FSDP2 sharded,
+        all-gathered first (``unsharded``; a collective over each tensor's FSDP2 group)."""
         lay, out = self.hf_layout, {}
         gated = self.activation in GATED
         if lay == "per_expert":
             for n, sub in (("w1", "wi"), ("w2", "wo")):
                 if n in names:
-                    out[n] = torch.stack([self._hf(f"expert_{g}.{sub}.weight", grads).t() for g in self._experts()])
+                    out[n] = torch.stack([self._hf(f"expert_{g}.{sub}.weight", grads, full).t()
+                                          for g in self._experts()])
             return out
-        gu, down = self._hf("gate_up_proj", grads), self._hf("down_proj", grads)
+        gu, down = self._hf("gate_up_proj", grads, full), self._hf("down_proj", grads, full)
         out = {"w2": down.transpose(1, 2) if lay == "fused_chunk" else down}
         if "w1" in names or "w3" in names:
-            out["w1"], out["w3"] = _split_gate_up(gu, lay, 2)
+            out["w1"], out["w3"] = views.split_gate_up(gu, lay, 2)
         if lay == "interleaved":                      # + biases [L, 2Fl], [L, D]
-            out["b1"], out["b3"] = _split_gate_up(self._hf("gate_up_proj_bias", grads), lay, 1)
-            out["b2"] = self._hf("down_proj_bias", grads)
+            out["b1"], out["b3"] = views.split_gate_up(self._hf("gate_up_proj_bias", grads, full), lay, 1)
+            out["b2"] = self._hf("down_proj_bias", grads, full)
         if not gated:
             out.pop("w3", None)
         return {n: t for n, t in out.items() if n in names}
 
     def weights(self) -> tuple:
-        """The canonical views the GEMMs read. A view with no unit stride in its last two
-        dims (GPT-OSS's interleaved gate / up columns, stride 2) is copied (differentiably):
-        grouped_mm refuses it, and mm would copy it per expert anyway."""
-        c = self.canonical()
-        return tuple(None if n not in c else _gemm_ready(c[n]) for n in CANONICAL)
+        """The tensors the GEMMs read (``moepar.hf.views``): moepar's layout as views of the HF
+        tensors; GPT-OSS's fused interleaved gate / up as it is, in the place of w1 / b1 (its
+        activation takes gate and up from the GEMM's even and odd columns); Switch's
+        per-expert tensors stacked (a copy, differentiable)."""
+        lay = self.hf_layout
+        if lay == "interleaved":   # the fused tensors as they are: w1, b1 of InterleavedGLU (adopt)
+            return (self._hf("gate_up_proj"), self._hf("down_proj"), None, self._hf("gate_up_proj_bias"),
+                    self._hf("down_proj_bias"), None)
+        if lay == "per_expert":
+            c = {n: views.StackT.apply(*[self._hf(f"expert_{g}.{sub}.weight") for g in self._experts()])
+                 for n, sub in (("w1", "wi"), ("w2", "wo"))}
+        else:
+            c = self.canonical()
+        return tuple(None if n not in c else views.gemm_ready(c[n]) for n in CANONICAL)
+
+    def _check_input(self, x_ND: torch.Tensor) -> None:
+        # GroupedExperts' checks read ``self.w1``, here a view built per read (Switch: a stack of
+        # every expert's weight, a copy): the dtype and device are read from an HF tensor.
+        w = next(self.parameters())
+        if isinstance(x_ND, torch.Tensor) and x_ND.dim() == 2 and x_ND.shape[1] == self.hidden:
+            if x_ND.dtype != w.dtype:
+                raise ValueError(f"x_ND dtype {x_ND.dtype} != expert weight dtype {w.dtype}; "
+                                 f"cast one of them (no implicit upcast of the activations)")
+            if x_ND.device != w.device:
+                raise ValueError(f"x_ND is on {x_ND.device} but the expert weights are on {w.device}")
+        else:
+            super()._check_input(x_ND)   # its shape errors
+
+    def weight_grad_buffers(self) -> dict[str, torch.Tensor]:
+        """Fresh gradients (pooled) of the expert tensors in transformers' layouts, as the
+        views of moepar's layout that ``ExpertsFunction``'s backward writes into
+        (``GroupedExperts.weight_grad_buffers``); autograd then hands each HF tensor its
+        gradient without a copy (``moepar.hf.views``). GPT-OSS's interleaved gate / up: none
+        (the GEMMs' fused gradient is transformers' layout already)."""
+        lay, L = self.hf_layout, self.num_local_experts
+
+        def fresh(key):
+            p = self._hf(key)
+            return cpu.empty(p.shape, p.dtype, p.device)
+        if lay == "per_expert":   # [L, Fl, D] / [L, D, Fl], read transposed: StackT's layout
+            out = {}
+            for n, sub in (("w1", "wi"), ("w2", "wo")):
+                p = self._hf(f"expert_{self.first_expert}.{sub}.weight")
+                out[n] = cpu.empty((L, *p.shape), p.dtype, p.device).transpose(1, 2)
+            return out
+        if lay == "interleaved":   # its fused gradient is the GEMMs' own (weights())
+            return {}
+        down = fresh("down_proj")
+        out = {"w2": down.transpose(1, 2) if lay == "fused_chunk" else down}
+        out["w1"], out["w3"] = views.split(fresh("gate_up_proj"), lay, 2)
+        if self.activation not in GATED:
+            out.pop("w3")
+        return out
 
     def __getattr__(self, name: str):
         # moepar's names (w1 ... b3) read as views; only the asked one is built
@@ -194,53 +255,6 @@ class HFExperts(GroupedExperts, _Marked):
                     local[name] = torch.empty((self.num_local_experts,) + tuple(t.shape))
                 local[name][e] = t
         self.write_canonical(local)
-
-
-class _SplitGateUp(torch.autograd.Function):
-    """(gate, up) of a fused tensor as views; the backward writes both gradients into one
-    fused gradient (one pass), where slicing would build a zero-filled one per half and add."""
-
-    @staticmethod
-    def forward(ctx, fused, layout, dim):
-        ctx.layout, ctx.dim = layout, dim
-        return _split(fused, layout, dim)
-
-    @staticmethod
-    def backward(ctx, g_gate, g_up):
-        lay, dim = ctx.layout, ctx.dim
-        like = g_gate if g_gate is not None else g_up
-        g_gate = torch.zeros_like(like) if g_gate is None else g_gate
-        g_up = torch.zeros_like(like) if g_up is None else g_up
-        if lay == "interleaved":                       # columns 0::2 gate, 1::2 up
-            return torch.stack([g_gate, g_up], dim=-1).flatten(-2), None, None
-        if lay == "fused_chunk" and dim == 2:          # the views were transposed: [L, 2Fl, D]
-            return torch.cat([g_gate.transpose(1, 2), g_up.transpose(1, 2)], dim=1), None, None
-        return torch.cat([g_gate, g_up], dim=-1), None, None
-
-
-def _split(fused: torch.Tensor, layout: str, dim: int):
-    """(gate, up) views in moepar's layout: [L, D, Fl] each (``dim`` 2), or [L, Fl] (biases)."""
-    if layout == "interleaved":
-        return fused[..., 0::2], fused[..., 1::2]
-    if layout == "fused_chunk" and dim == 2:           # [L, 2Fl, D]: rows :Fl gate, Fl: up
-        Fl = fused.shape[1] // 2
-        return fused[:, :Fl].transpose(1, 2), fused[:, Fl:].transpose(1, 2)
-    Fl = fused.shape[-1] // 2                          # chunk_in_out [L, D, 2Fl]: columns
-    return fused[..., :Fl], fused[..., Fl:]
-
-
-def _split_gate_up(fused: torch.Tensor, layout: str, dim: int):
-    if fused.requires_grad and torch.is_grad_enabled():
-        return _SplitGateUp.apply(fused, layout, dim)
-    return _split(fused, layout, dim)
-
-
-def _gemm_ready(t: torch.Tensor) -> torch.Tensor:
-    if t.dim() == 3 and t.stride(-1) != 1 and t.stride(-2) != 1:
-        return t.contiguous()
-    if t.dim() == 2 and t.stride(-1) != 1:   # a bias [L, Fl] read per expert row
-        return t.contiguous()
-    return t
 
 
 class HFRouter(TopKRouter):
@@ -309,16 +323,27 @@ class HFSharedExperts(SharedExperts):
     gate = property(lambda self: self.__dict__["_gate"])
 
 
-def canonical_local(ex, grads: bool = False) -> dict[str, torch.Tensor]:
+def unsharded(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as this rank holds it without FSDP2: a DTensor (a parameter or gradient that
+    ``moepar.fully_shard`` sharded over its data-parallel group) all-gathered over its mesh (a
+    collective: every rank of the mesh calls it, for the same tensors in the same order);
+    any other tensor as it is."""
+    full = getattr(t, "full_tensor", None)
+    return t if full is None else full()
+
+
+def canonical_local(ex, grads: bool = False, full: bool = False) -> dict[str, torch.Tensor]:
     """This rank's expert tensors (or their gradients, zeros where none) in moepar's layout
-    (w1 [L, D, Fl] ...), of a ``GroupedExperts`` or the HF-layout ``HFExperts``."""
+    (w1 [L, D, Fl] ...), of a ``GroupedExperts`` or the HF-layout ``HFExperts``; ``full``:
+    FSDP2's shards all-gathered first (``unsharded``, a collective)."""
     if isinstance(ex, HFExperts):
-        return ex.canonical(grads=grads)
+        return ex.canonical(grads=grads, full=full)
     out = {}
     for name in CANONICAL:
         p = getattr(ex, name, None)
         if p is not None:
-            out[name] = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+            t = (p.grad if p.grad is not None else torch.zeros_like(p)) if grads else p
+            out[name] = unsharded(t) if full else t
     return out
 
 

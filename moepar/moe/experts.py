@@ -98,6 +98,10 @@ class GroupedExperts(nn.Module):
     """
 
     replicas = None   # moepar.moe.replicas.Replicas: set by the layer for redundant_experts > 0
+    # () -> {name: gradient buffer} for ExpertsFunction's ``grad_buffers``, or None: a subclass
+    # holding its tensors in another layout (moepar.hf) has the gradients written into views of
+    # its own layout's gradients (no copy into it afterwards).
+    weight_grad_buffers = None
     # The config's and the shard's fields, read-only (the names the rest of the package reads).
     hidden = property(lambda self: self.config.hidden)
     ffn_hidden = property(lambda self: self.config.ffn)
@@ -325,7 +329,8 @@ class GroupedExperts(nn.Module):
             if any(not 0 <= e < self.num_slots for e in seg):
                 raise ValueError(f"segment_experts={seg} must lie in [0, {self.num_slots}) (the local experts or slots)")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
-            return ExpertsFunction.apply(x_ND, *params, counts, None, "loop", self._act, seg, rebuild)
+            return ExpertsFunction.apply(x_ND, *params, counts, None, "loop", self._act, seg, rebuild,
+                                         self.weight_grad_buffers)
         # The custom op takes the built-in activation names only: the others stay eager.
         if (torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor)
                 and isinstance(self._act, str)):
@@ -335,7 +340,8 @@ class GroupedExperts(nn.Module):
         path = self.resolve_gemm_path(x_ND, counts)
         if counts is None and path != "grouped_mm":   # the other paths size their GEMMs on the host
             counts = self._counts(tokens_per_expert, x_ND)
-        return ExpertsFunction.apply(x_ND, *params, counts, counts_dev, path, self._act, None, rebuild)
+        return ExpertsFunction.apply(x_ND, *params, counts, counts_dev, path, self._act, None, rebuild,
+                                     self.weight_grad_buffers)
 
     def _add_bias(self, y_ND: torch.Tensor, b2: torch.Tensor, tokens_per_expert, host_counts) -> torch.Tensor:
         """``y_ND`` plus b2 [S, D] on each block's rows (device counts where given: no host read)."""

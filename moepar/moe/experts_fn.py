@@ -50,11 +50,17 @@ class ExpertsFunction(torch.autograd.Function):
     output): half the [N, Fl] memory.
 
     ``counts``: rows per local expert on the host, or None where only ``counts_dev`` (the same
-    on the device) is known: then ``path`` must be "grouped_mm" (nothing read to the host)."""
+    on the device) is known: then ``path`` must be "grouped_mm" (nothing read to the host).
+
+    ``grad_buffers`` (optional): called once in the backward, returns {name: tensor} of
+    whole weight / bias gradients to write into instead of allocating them, each in the
+    shape, dtype and device of its weight but with any strides (a buffer that does not
+    match is ignored). A module holding its tensors in another layout (moepar.hf) hands
+    views of its own layout's gradients here, so that no gradient is copied into it."""
 
     @staticmethod
     def forward(ctx, x, w1, w2, w3, b1, b2, b3, counts, counts_dev, path, activation, segment_experts=None,
-                rebuild=None):
+                rebuild=None, grad_buffers=None):
         # segment_experts: row block i is for expert segment_experts[i] (any order, repeats
         # allowed; the loop path with whole weights, see LoopGemm); None: block e is expert e.
         # rebuild: a function returning (w1, w2, w3) again in the backward, for weights the
@@ -111,6 +117,7 @@ class ExpertsFunction(torch.autograd.Function):
         else:
             ctx.save_for_backward(*weights)
         ctx.segments, ctx.activation, ctx.mapped, ctx.whole = saved, activation, mapped, whole
+        ctx.grad_buffers = grad_buffers
         ctx.has_b = (b1 is not None, b2 is not None, b3 is not None)
         return y
 
@@ -127,12 +134,17 @@ class ExpertsFunction(torch.autograd.Function):
         gx, gx_first = None, None
         has_b = ctx.has_b
         grads = {}   # name -> whole buffer (None: taken from the one segment's result)
+        given = ctx.grad_buffers() if ctx.grad_buffers is not None else {}
         for name, i, like, cols in (("w1", 1, w1, None), ("w2", 2, w2, None), ("w3", 3, w3, None),
                                     ("b1", 4, w1, 2), ("b2", 5, w2, 2), ("b3", 6, w1, 2)):
             present = like is not None and (name[0] == "w" or has_b[int(name[1]) - 1])
             if not (present and need[i]):
                 continue
             shape = like.shape if cols is None else (like.shape[0], like.shape[cols])
+            buf = given.get(name)
+            if buf is not None and buf.shape == shape and buf.dtype == like.dtype and buf.device == like.device:
+                grads[name] = buf
+                continue
             grads[name] = (cpu.empty(shape, like.dtype, like.device) if cols is None else like.new_empty(shape)) \
                 if whole else None
         if ctx.mapped:   # blocks accumulate into their expert's gradients (none: zero)
@@ -154,7 +166,7 @@ class ExpertsFunction(torch.autograd.Function):
             """Write gradient ``name`` for this segment: into its slice, or as the whole result."""
             if name not in grads:
                 return
-            if whole:
+            if grads[name] is not None:   # a whole buffer: this segment's slice of it
                 fn(part(grads[name]))
             else:
                 grads[name] = fn(None)
@@ -210,7 +222,7 @@ class ExpertsFunction(torch.autograd.Function):
                 gx[gx_first[0]:gx_first[1]] = gx_first[2]
                 gx_first = None
         g = grads.get
-        return gx, g("w1"), g("w2"), g("w3"), g("b1"), g("b2"), g("b3"), None, None, None, None, None, None
+        return gx, g("w1"), g("w2"), g("w3"), g("b1"), g("b2"), g("b3"), None, None, None, None, None, None, None
 
 
 def check_counts(counts: list[int], num_local_experts: int, rows: int) -> list[int]:
@@ -408,7 +420,10 @@ class _BmmGemm:
         return out
 
     def wgrad(self, x, g, out=None):
-        return _into(torch.bmm(self._3d(x).transpose(1, 2), self._3d(g)), out)
+        if out is None:
+            return torch.bmm(self._3d(x).transpose(1, 2), self._3d(g))
+        # straight into the caller's buffer, whatever its strides (a transposed one: moepar.hf)
+        return torch.bmm(self._3d(x).transpose(1, 2), self._3d(g), out=out)
 
     def bias_grad(self, g, out=None):
         return _into(self._3d(g).sum(1), out)

@@ -128,10 +128,27 @@ def stage_ids(pp_rank: int, pp: int, schedule: str, virtual_pipeline_size: int =
     return [pp_rank + i * pp for i in range(chunks)]
 
 
+def check_stage(stage, num_stages, layers: int | None = None) -> None:
+    """ValueError unless ``stage`` is one of ``num_stages`` stages (integers, 0 <= stage <
+    num_stages) and, with ``layers``, the layers cut evenly into them, at least one each.
+    A stage out of range would build layers the model does not have (or, indexing a list
+    from its end, another stage's); every rank checks before it builds anything."""
+    checks.positive_int("num_stages", num_stages)
+    if not checks.is_int(stage) or not 0 <= stage < num_stages:
+        raise ValueError(f"stage={stage!r} must be an integer in [0, {num_stages}): the index of one of "
+                         f"num_stages={num_stages} stages, counted from 0")
+    if layers is not None:
+        checks.int_at_least("layers", layers, 0)
+        if num_stages > layers:
+            raise ValueError(f"num_stages={num_stages} is more than the {layers} layers: every stage needs "
+                             f"at least one layer")
+        if layers % num_stages:
+            raise ValueError(f"layers={layers} is not divisible by the {num_stages} pipeline stages")
+
+
 def layer_range(stage: int, num_stages: int, layers: int) -> range:
-    """The blocks of ``stage``: ``layers / num_stages`` consecutive ones."""
-    if layers % num_stages:
-        raise ValueError(f"layers={layers} is not divisible by the {num_stages} pipeline stages")
+    """The blocks of ``stage``: ``layers / num_stages`` consecutive ones (``check_stage``)."""
+    check_stage(stage, num_stages, layers)
     n = layers // num_stages
     return range(stage * n, (stage + 1) * n)
 
@@ -159,8 +176,10 @@ def cut_blocks(blocks: Sequence[nn.Module], stage: int, num_stages: int, first: 
                last: nn.Module | None = None, name: str = "blocks") -> BlockStage:
     """Stage ``stage`` of ``first + blocks + last`` cut into ``num_stages`` equal stages."""
     layers = layer_range(stage, num_stages, len(blocks))
-    return BlockStage({i: blocks[i] for i in layers}, first if stage == 0 else None,
-                      last if stage == num_stages - 1 else None, name)
+    out = BlockStage({i: blocks[i] for i in layers}, first if stage == 0 else None,
+                     last if stage == num_stages - 1 else None, name)
+    out.pipeline_stage = (stage, num_stages)   # checked by Pipeline against the stage it runs
+    return out
 
 
 class StageChunks(nn.Module):
@@ -256,6 +275,12 @@ class Pipeline:
         if len(chunks) != len(ids):
             raise ValueError(f"{len(chunks)} stage modules given, but schedule={schedule!r} runs {len(ids)} "
                              f"per rank (stages {ids} on pipeline rank {state.pp_rank})")
+        for k, (c, i) in enumerate(zip(chunks, ids)):
+            built = getattr(c, "pipeline_stage", None)   # (stage, num_stages) it was built as, if known
+            if built is not None and tuple(built) != (i, num_stages):
+                raise ValueError(f"stage module {k} was built as stage {built[0]} of {built[1]}, but pipeline rank "
+                                 f"{state.pp_rank} runs stage {i} of {num_stages} there (schedule={schedule!r}; "
+                                 f"stage_ids gives a rank's stages)")
         if state.pp_group is None:
             raise ValueError("pipeline stages need pipeline_parallel_size >= 2 in moepar.init_parallel")
         self.state, self.microbatches, self.chunks, self.stage_ids = state, microbatches, list(chunks), ids
