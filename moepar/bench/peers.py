@@ -32,7 +32,12 @@ from torch import nn
 def _import(name: str):
     if name == "deepspeed" and not torch.cuda.is_available():
         os.environ.setdefault("DS_ACCELERATOR", "cpu")   # else it probes for CUDA and fails
-    return importlib.import_module(name)
+    module = importlib.import_module(name)
+    if name == "deepspeed" and not torch.cuda.is_available():
+        # Its CPU shared-memory all-reduce kernel, which only its inference all-reduce uses,
+        # would otherwise be compiled when its comm backend starts (a minute of a core).
+        module.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    return module
 
 
 def deepspeed_status() -> tuple[bool, str]:

@@ -149,7 +149,10 @@ DEEPSPEED_NOTE = (
     "E/ep experts, so params x mp_size misses the other experts (the right total is dense x tp + "
     "experts x ep x etp), and a rank's expert FLOPs are its work on routes received from other "
     "data-parallel replicas: scaling one rank by the model-parallel size is exact only for "
-    "balanced, dropless, unpadded routing. Here model FLOPs count routes (T x K per token, "
+    "balanced, dropless, unpadded routing. Under moepar.deepspeed's engine (experts tagged as "
+    "DeepSpeed's own) DeepSpeed 0.19.8 prints non-expert params x mp_size + expert params x ep "
+    "instead: right for the experts, but a tensor-parallel-replicated parameter (norms, the "
+    "router) counts tp times. Here model FLOPs count routes (T x K per token, "
     "6 x N_active) and per-rank FLOPs count the rows the rank's experts actually process.")
 
 

@@ -59,10 +59,12 @@ def group_name(state: ParallelState) -> str:
     return f"ep_size_{state.ep_size}"
 
 
-def plain_engine_error(state: ParallelState) -> str | None:
-    """Why DeepSpeed's engine, given ``state`` as its mpu, would train a moepar model wrong
-    (None when it would not: pure data parallelism). Read by ``ParallelState`` when
-    DeepSpeed asks it for the group it reduces and partitions every parameter over."""
+def plain_engine_error(state: ParallelState, mpu: bool = True) -> str | None:
+    """Why DeepSpeed's engine, given ``state`` as its mpu (``mpu=False``: given none), would
+    train a moepar model wrong (None when it would not: pure data parallelism). Read by
+    ``ParallelState`` when DeepSpeed asks it for the group it reduces and partitions every
+    parameter over, and by ``MoE.set_deepspeed_parallelism`` when an engine is built
+    around the layer without ``moepar.deepspeed.initialize``."""
     lay = state.layout
     if (lay.tp, lay.ep, lay.etp, lay.pp) == (1, 1, 1, 1):
         return None
@@ -76,7 +78,8 @@ def plain_engine_error(state: ParallelState) -> str | None:
                    f"is summed over tp x dp ranks, and the gradient norm must count every rank's experts")
     if lay.pp > 1:
         why.append(f"pipeline stages (pp={lay.pp}) hold different layers")
-    return ("deepspeed.initialize(mpu=moepar's ParallelState) with layout " + describe(lay) + ": "
+    call = "deepspeed.initialize(mpu=moepar's ParallelState)" if mpu else "deepspeed.initialize without moepar's mpu"
+    return (call + " with layout " + describe(lay) + ": "
             + "; ".join(why) + ". Training would silently diverge from moepar.allreduce_gradients. Use "
             "moepar.deepspeed.initialize(model=..., optimizer=..., config=..., mpu=state) instead: it takes "
             "deepspeed.initialize's arguments and returns its engine, with moepar's experts handed to DeepSpeed "

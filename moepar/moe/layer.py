@@ -154,6 +154,20 @@ class MoE(nn.Module):
                 cell.add(name, scale)
         return True
 
+    def set_deepspeed_parallelism(self, *args, **kwargs) -> None:
+        """DeepSpeed's engine calls this on every module that has it while it is built. The
+        layer trains exactly under the engine as ``moepar.deepspeed.initialize`` builds it
+        (its experts tagged as DeepSpeed's own); any other engine over a layout that splits
+        experts or tensors (Hugging Face's Trainer through accelerate, a plain
+        ``deepspeed.initialize`` without moepar's mpu) would silently train it wrong, so it
+        is refused here, on every rank, before the engine's first collective."""
+        if getattr(next(self.experts.parameters()), "allreduce", True) is False:   # tagged
+            return
+        from ..deepspeed import plain_engine_error   # the message alone: no DeepSpeed import
+        error = plain_engine_error(self.state, mpu=False)
+        if error is not None:
+            raise ValueError(error)
+
     @property
     def stats(self) -> MoEStats:
         """Tokens per expert, dropped routes and the collectives of the last forward/backward."""

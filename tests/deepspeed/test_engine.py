@@ -26,14 +26,15 @@ LAYOUTS = [(1, 2), (2, 2), (1, 4)]   # (tp, ep) on 4 ranks
 STEPS = 5
 
 
-def _plain(state, init, ref, stage):
-    """Plain deepspeed.initialize(mpu=state) with SGD: ("refused", message) or ("trained", max diff)."""
+def _plain(state, init, ref, stage, mpu=True):
+    """Plain deepspeed.initialize(mpu=state), or with no mpu at all (an engine built by a
+    trainer that knows nothing of moepar), with SGD: ("refused", message) or ("trained", max diff)."""
     deepspeed = quiet_deepspeed()
     model = Net(state)
     model.load_state_dict(init)
     try:
         engine, *_ = deepspeed.initialize(model=model, optimizer=make_optimizer("sgd", model.parameters()),
-                                          config=config(stage), mpu=state)
+                                          config=config(stage), **({"mpu": state} if mpu else {}))
     except ValueError as e:
         return "refused", str(e)
     train_engine(engine, STEPS)
@@ -77,7 +78,8 @@ def _layout_on_ranks(tp, ep):
     except ValueError as e:
         out["zero3"] = str(e)
     for stage in (0, 1, 2, 3):
-        out["plain"][stage] = _plain(state, *refs["sgd"], stage)
+        out["plain"][stage, "mpu"] = _plain(state, *refs["sgd"], stage)
+    out["plain"][1, "no mpu"] = _plain(state, *refs["sgd"], 1, mpu=False)
     return out
 
 
@@ -113,14 +115,16 @@ def test_plain_deepspeed_initialize_trains_exactly_or_refuses_at_once(tp, ep):
     # DeepSpeed's engine knows only its own MoE layer: given moepar's state as the mpu it
     # averaged moepar's experts over data-parallel ranks that hold other experts (0.4-1.6
     # off after 3 SGD steps, no warning). Now it trains exactly or refuses while it is built,
-    # on every rank, naming the fix.
+    # on every rank, naming the fix; without moepar's mpu (0.67 off after 5 steps before) the
+    # layer itself refuses when the engine asks it for its parallelism.
     results = _results(tp, ep)
     for rank, out in enumerate(results):
-        for stage, (what, detail) in out["plain"].items():
+        for (stage, how), (what, detail) in out["plain"].items():
             if what == "refused":
-                assert "moepar.deepspeed.initialize" in detail and f"ep={ep}" in detail, (stage, detail)
+                assert "moepar.deepspeed.initialize" in detail and f"ep={ep}" in detail, (stage, how, detail)
             else:
-                assert detail <= 1e-5, (tp, ep, rank, f"ZeRO-{stage}", detail)
+                assert detail <= 1e-5, (tp, ep, rank, f"ZeRO-{stage}", how, detail)
+        assert out["plain"][1, "no mpu"][0] == "refused", out["plain"][1, "no mpu"]
 
 
 def test_import_moepar_does_not_import_deepspeed():
