@@ -17,3 +17,6 @@ fi
 if ! python -c "import moepar, moepar_kernels, pytest, triton, transformers, safetensors, deepspeed" 2>/dev/null; then
     python -m pip install -q -e ".[dev,plot,hf,deepspeed]"
 fi
+# The benchmark peer torchtitan (bench extra, torchtitan without its trainer's dependencies);
+# the suite compares moepar's host work with it, and counts without it where it fails.
+python -c "import importlib.util as u, sys; sys.exit(0 if all(map(u.find_spec, ('torchtitan', 'spmd_types', 'tyro'))) else 1)" 2>/dev/null || { python -m pip install -q -e ".[bench]" && python -m pip install -q --no-deps "torchtitan==0.3.0"; } || echo "setup: torchtitan not installed; the benchmarks and tests run without the peer" >&2

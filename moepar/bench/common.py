@@ -131,12 +131,16 @@ def keep_freed_memory() -> bool:
 def grad_step(mod, x: torch.Tensor, g: torch.Tensor) -> Callable[[], None]:
     """One forward + backward of ``mod`` on ``x`` (output gradient ``g``), the aux loss
     included: gradients to x and every trainable parameter. ``mod`` returns y or (y, aux);
-    without the tuple its ``aux_loss`` attribute is the aux loss (moepar's layer)."""
+    without the tuple its ``aux_loss`` attribute is the aux loss (moepar's layer), None for
+    a layer without one (torchtitan's balances its load with an expert bias instead)."""
     params = [p for p in mod.parameters() if p.requires_grad]
     one = torch.ones((), device=x.device)   # the aux loss is an fp32 scalar
 
     def step():
         out = mod(x)
         y, aux = out if isinstance(out, tuple) else (out, mod.aux_loss)
-        torch.autograd.grad([y, aux], [x] + params, [g, one])
+        if aux is None:
+            torch.autograd.grad(y, [x] + params, g)
+        else:
+            torch.autograd.grad([y, aux], [x] + params, [g, one])
     return step

@@ -4,7 +4,9 @@ unpermute, forward + backward, every gradient, aux loss included) against
 (a) the floor: the fastest available implementation of the expert GEMMs + activation
     alone, forward + backward, on the same routes (``moepar.bench.local``'s candidates);
 (b) a plain-torch reference MoE with dense one-hot dispatch (``reference_moe``);
-(c) DeepSpeed-MoE and Megatron-Core when importable (``peers``), on the same weights.
+(c) DeepSpeed-MoE, torchtitan's MoE and Megatron-Core when importable (``peers``), on the
+    same weights. torchtitan's experts are SwiGLU only: with GELU experts (the default) it is
+    timed against a SwiGLU twin of moepar's layer (same router weights), whose row says so.
 
 Legend (docs/moe.md): T tokens, D hidden, F ffn hidden, E experts, K top-k, N = T*K rows of
 the permuted buffer (dropless: one per route).
@@ -12,13 +14,13 @@ the permuted buffer (dropless: one per route).
 Timing: median over rounds after warm-up; the floor candidates and moepar are interleaved
 round by round in one group, and each other yardstick in a group of its own with moepar
 again, so that every ratio compares runs made side by side (moepar's row shows the ratio
-to DeepSpeed/reference from that pair). Every row: median ms, achieved GFLOP/s (the expert
+to DeepSpeed/reference/torchtitan from that pair). Every row: median ms, achieved GFLOP/s (the expert
 GEMM flops of N routes, the same numerator for every row) and its fraction of this
 machine's matmul rate measured in the same run, the time's ratio to each yardstick, peak
 memory (CPU: each case in a fresh process, the resident memory its step adds, see
 ``common.step_peak_bytes``; CUDA: ``max_memory_allocated`` above the baseline), tokens/s.
 ``--device cuda`` also checks the Triton kernels against their references and reports the
-kernels' bandwidth as a fraction of the card's copy bandwidth (``gpu_checks``).
+kernels' bandwidth as a fraction of the card's copy bandwidth (``moepar.bench.kernel_checks``).
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from moepar.bench.common import (grad_step, keep_freed_memory, matmul_gflops, ru
                                  step_peak_bytes)
 from moepar.bench.local import (DTYPES, autograd_grouped_mm, autograd_loop, loadavg, machine, path_ok,
                                 timed_rounds, expert_flops)
-from moepar.bench.peers import DeepSpeedMoE, deepspeed_status, megatron_status
+from moepar.bench.peers import (DeepSpeedMoE, TorchTitanMoE, compare_with_moepar, deepspeed_status,
+                                megatron_status, torchtitan_gap, torchtitan_status)
 from moepar.bench.reference_moe import ReferenceMoE
 from moepar.moe.layer import MoE
 from moepar.parallel.groups import ParallelState
@@ -55,6 +58,7 @@ class LayerConfig:
     floor_limit: float | None = None   # acceptance: moepar / floor (2-core CPU, fp32)
     peer_limit: float | None = None    # acceptance: moepar / DeepSpeed
     ds_drop_tokens: bool = True        # DeepSpeed's setting for this row (moepar is dropless)
+    activation: str = "gelu"           # the experts' FFN (torchtitan's is "swiglu")
 
     def __post_init__(self) -> None:
         for name in ("T", "D", "F", "E", "K"):
@@ -67,6 +71,8 @@ class LayerConfig:
                              f"expert at most once)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype={self.dtype!r} must be one of {sorted(DTYPES)}")
+        if self.activation not in ("gelu", "swiglu", "relu"):
+            raise ValueError(f"activation={self.activation!r} must be gelu, swiglu or relu")
 
 
 _CONFIG_A = LayerConfig(4096, 512, 2048, 8, 2, floor_limit=1.10, peer_limit=1.0)
@@ -96,6 +102,10 @@ def parse_config(spec: str) -> LayerConfig:
 
 FLOOR_PREFIX = "floor: "
 MOEPAR, REFERENCE, DEEPSPEED = "moepar MoE", "reference (dense one-hot)", "DeepSpeed-MoE"
+TORCHTITAN, MOEPAR_SWIGLU = "torchtitan MoE", "moepar MoE, swiglu twin (torchtitan's FFN)"
+# (the twin: moepar's layer with SwiGLU experts and the same router, for a config whose
+# experts are not SwiGLU; its "x floor" is left out, the floor being the other FFN's)
+TITAN_TOL = 2e-2   # torchtitan's experts run in bf16 whatever the dtype: bf16's rounding
 
 
 def cpu_bf16_native() -> tuple[bool, str]:
@@ -150,7 +160,8 @@ class LayerCase:
         self.dtype = DTYPES[cfg.dtype]
         torch.manual_seed(seed)
         self.moe = MoE(cfg.D, cfg.E, k=cfg.K, ffn_hidden=cfg.F, init_seed=1, dtype=self.dtype,
-                       state=ParallelState.single()).to(device)
+                       activation=cfg.activation, state=ParallelState.single()).to(device)
+        self._titan_moe = None
         gen = torch.Generator().manual_seed(seed)
         x = torch.randn(cfg.T, cfg.D, generator=gen)
         g = torch.randn(cfg.T, cfg.D, generator=gen)
@@ -169,6 +180,24 @@ class LayerCase:
         self.x_ND = x_ND.detach().requires_grad_(True)
         self.g_ND = torch.randn(self.N, cfg.D, generator=gen).to(device, self.dtype)
         self.flops = expert_flops(self.N, cfg.D, cfg.F, self.moe.experts.activation)
+
+    @property
+    def titan_moe(self) -> MoE:
+        """The moepar layer torchtitan is compared with: this case's, or its SwiGLU twin."""
+        if self._titan_moe is None:
+            self._titan_moe = self.moe if self.cfg.activation == "swiglu" else MoE(
+                self.cfg.D, self.cfg.E, k=self.cfg.K, ffn_hidden=self.cfg.F, init_seed=1, dtype=self.dtype,
+                activation="swiglu", state=ParallelState.single()).to(self.device)
+        return self._titan_moe
+
+    @property
+    def titan_pair(self) -> str:
+        """The name of the moepar row torchtitan is timed with."""
+        return MOEPAR if self.cfg.activation == "swiglu" else MOEPAR_SWIGLU
+
+    def titan_check(self) -> dict:
+        """torchtitan against moepar on this case's input: ``peers.compare_with_moepar``."""
+        return compare_with_moepar(self.titan_moe, TorchTitanMoE(self.titan_moe), self.x, self.g)
 
     def factories(self, with_reference: bool = True, with_peers: bool = True
                   ) -> dict[str, Callable[[], Callable[[], None]]]:
@@ -211,6 +240,10 @@ class LayerCase:
             out[REFERENCE] = module_step(lambda: ReferenceMoE.from_moepar(self.moe).to(self.device))
         if with_peers and deepspeed_status()[0]:
             out[DEEPSPEED] = module_step(lambda: DeepSpeedMoE(self.moe, drop_tokens=self.cfg.ds_drop_tokens))
+        if with_peers and torchtitan_status()[0] and torchtitan_gap(self.titan_moe) is None:
+            if self.titan_pair != MOEPAR:
+                out[MOEPAR_SWIGLU] = module_step(lambda: self.titan_moe)
+            out[TORCHTITAN] = module_step(lambda: TorchTitanMoE(self.titan_moe))
         return out
 
 
@@ -247,16 +280,20 @@ def bench_config(name: str, cfg: LayerConfig, device: torch.device, rounds: int,
     floor_group = {k: v for k, v in steps.items() if k.startswith(FLOOR_PREFIX) or k == MOEPAR}
     secs, faults = timed_rounds(floor_group, rounds, warmup, device, clock)
     pair_moepar: dict[str, float] = {}
-    for other in (DEEPSPEED, REFERENCE):
+    for other in (DEEPSPEED, REFERENCE, TORCHTITAN):
         if other in steps:
-            t, f = timed_rounds({MOEPAR: steps[MOEPAR], other: steps[other]}, rounds, warmup, device, clock)
-            secs[other], pair_moepar[other], faults[other] = t[other], t[MOEPAR], f[other]
+            mine = case.titan_pair if other == TORCHTITAN else MOEPAR
+            t, f = timed_rounds({mine: steps[mine], other: steps[other]}, rounds, warmup, device, clock)
+            secs[other], pair_moepar[other], faults[other] = t[other], t[mine], f[other]
+            if mine != MOEPAR:
+                secs[mine], faults[mine] = t[mine], f[mine]
+    titan = case.titan_check() if TORCHTITAN in steps else None
     floor_name = min((k for k in secs if k.startswith(FLOOR_PREFIX)), key=secs.get)
     floor_s = secs[floor_name]
     peaks: dict[str, int] = {}
     mem_method = None
     if memory:
-        for impl in [floor_name, MOEPAR, REFERENCE, DEEPSPEED]:
+        for impl in [floor_name, MOEPAR, REFERENCE, DEEPSPEED, MOEPAR_SWIGLU, TORCHTITAN]:
             if impl not in steps:
                 continue
             if device.type == "cuda":
@@ -266,13 +303,18 @@ def bench_config(name: str, cfg: LayerConfig, device: torch.device, rounds: int,
                                                                torch.get_num_threads(), malloc)
     rows = []
     for impl, s in secs.items():
-        row = {"impl": impl, "ms": s * 1e3, "GFLOP/s": case.flops / s / 1e9,
-               "of matmul": case.flops / s / 1e9 / matmul if matmul and clock == "wall" else float("nan"),
-               "x floor": s / floor_s}
-        for col, ref in (("x reference", REFERENCE), ("x deepspeed", DEEPSPEED)):
+        # The SwiGLU rows of a GELU config compute 1.5x the GEMM flops, and only each other's function.
+        swiglu_pair = impl in (MOEPAR_SWIGLU, TORCHTITAN) and case.titan_pair == MOEPAR_SWIGLU
+        flops = expert_flops(case.N, cfg.D, cfg.F, "swiglu") if swiglu_pair else case.flops
+        row = {"impl": impl, "ms": s * 1e3, "GFLOP/s": flops / s / 1e9,
+               "of matmul": flops / s / 1e9 / matmul if matmul and clock == "wall" else float("nan"),
+               "x floor": float("nan") if swiglu_pair else s / floor_s}
+        for col, ref in (("x reference", REFERENCE), ("x deepspeed", DEEPSPEED), ("x torchtitan", TORCHTITAN)):
+            same = (ref == TORCHTITAN) == swiglu_pair or case.titan_pair == MOEPAR
             # moepar's row: its time in the pair's own group; others: against that yardstick.
-            mine = pair_moepar[ref] if impl == MOEPAR and ref in pair_moepar else s
-            row[col] = mine / secs[ref] if ref in secs else float("nan")
+            mine = pair_moepar[ref] if impl == (case.titan_pair if ref == TORCHTITAN else MOEPAR) \
+                and ref in pair_moepar else s
+            row[col] = mine / secs[ref] if ref in secs and same else float("nan")
         row["peak MB"] = peaks[impl] / 2 ** 20 if impl in peaks else float("nan")
         row["tokens/s"] = cfg.T / s
         row["page faults"] = faults[impl]
@@ -281,7 +323,7 @@ def bench_config(name: str, cfg: LayerConfig, device: torch.device, rounds: int,
             "zipf_s": case.zipf_s, "gflop": case.flops / 1e9, "floor_impl": floor_name,
             "auto_gemm_path": case.moe.experts.resolve_gemm_path(case.x_ND, case.counts),
             "memory_method": mem_method, "rows": rows, "seconds": secs, "moepar_s_in_pair": pair_moepar,
-            "peak_bytes": peaks}
+            "peak_bytes": peaks, "torchtitan_check": titan}
 
 
 def verdicts(r: dict) -> list[tuple[str, bool | None]]:
@@ -300,6 +342,14 @@ def verdicts(r: dict) -> list[tuple[str, bool | None]]:
         if MOEPAR in peaks and DEEPSPEED in peaks:
             mm, dm = peaks[MOEPAR] / 2 ** 20, peaks[DEEPSPEED] / 2 ** 20
             out.append((f"peak memory moepar {mm:.0f} MB vs DeepSpeed {dm:.0f} MB", mm <= dm))
+    if TORCHTITAN in secs:
+        mine = MOEPAR_SWIGLU if MOEPAR_SWIGLU in secs else MOEPAR
+        out.append((f"{mine} / torchtitan = {r['moepar_s_in_pair'][TORCHTITAN] / secs[TORCHTITAN]:.3f}", None))
+        c = r["torchtitan_check"]
+        out.append((f"torchtitan computes moepar's function: output within {c['rel_err_y']:.1e}, input gradient "
+                    f"within {c['rel_err_dx']:.1e} (relative; limit {TITAN_TOL:g}, its experts run in bf16), "
+                    f"same experts on {c['same_experts']} of {c['tokens']} tokens",
+                    max(c["rel_err_y"], c["rel_err_dx"]) <= TITAN_TOL))
     return out
 
 
@@ -315,7 +365,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0, help="torch threads (0: leave as is)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory measurements")
     p.add_argument("--no-reference", action="store_true", help="skip the dense one-hot reference MoE")
-    p.add_argument("--no-peers", action="store_true", help="skip DeepSpeed / Megatron even when importable")
+    p.add_argument("--no-peers", action="store_true",
+                   help="skip DeepSpeed / torchtitan / Megatron even when importable")
+    p.add_argument("--activation", default=None, choices=("gelu", "swiglu", "relu"),
+                   help="the experts' FFN in every config (default: gelu, docs/bench.md's configs)")
     p.add_argument("--no-matmul", action="store_true", help="skip the matmul roofline")
     p.add_argument("--malloc", default="default", choices=("default", "keep"),
                    help="keep: glibc keeps freed memory (no page faults from re-mapping large buffers at every "
@@ -332,6 +385,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         cuda_default if args.device.type == "cuda" else ["A", "B", "C"] + (cuda_default if args.bf16[0] else []))
     try:
         args.parsed = {n: parse_config(n) for n in args.names}
+        if args.activation:
+            args.parsed = {n: dataclasses.replace(c, activation=args.activation) for n, c in args.parsed.items()}
     except ValueError as e:
         p.error(str(e))
     return args
@@ -347,6 +402,7 @@ def run(args: argparse.Namespace) -> dict:
     out: dict = {"malloc": args.malloc, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": machine(),
                  "torch": torch.__version__, "threads": torch.get_num_threads(), "device": str(device),
                  "clock": args.clock, "load_avg_1min": loadavg(), "deepspeed": deepspeed_status()[1],
+                 "torchtitan": torchtitan_status()[1],
                  "megatron": megatron_status()[1], "bf16_native": args.bf16[1]}
     on_cuda = device.type == "cuda"
     matmul = None if args.no_matmul else matmul_gflops(8192 if on_cuda else 4096,
@@ -359,6 +415,7 @@ def run(args: argparse.Namespace) -> dict:
                       for r in results]
     out["checks"] = {r["config"]: [{"check": t, "ok": ok} for t, ok in verdicts(r)] for r in results}
     if on_cuda:
+        from moepar.bench.kernel_checks import gpu_checks
         out["gpu"] = gpu_checks(device, args.rounds)
     out["failed"] = any(c["ok"] is False for v in out["checks"].values() for c in v) or (
         "gpu" in out and not out["gpu"]["all_ok"])
@@ -377,7 +434,7 @@ def main(argv: list[str] | None = None) -> int:
     if out["matmul_gflops"]:
         print(f"{'8192^3 bf16' if args.device.type == 'cuda' else '4096^3 fp32'} matmul: "
               f"{out['matmul_gflops']:.1f} GFLOP/s (this run, fastest of 5)")
-    print(f"DeepSpeed: {out['deepspeed']}; Megatron-Core: {out['megatron']}")
+    print(f"DeepSpeed: {out['deepspeed']}; torchtitan: {out['torchtitan']}; Megatron-Core: {out['megatron']}")
     if args.device.type == "cpu" and not args.bf16[0] and not args.configs:
         print(f"bf16 configs (D) skipped: this CPU has {args.bf16[1]} (bf16 would be emulated); "
               f"--configs A-bf16,B-bf16,C-bf16 runs them anyway")
@@ -385,10 +442,11 @@ def main(argv: list[str] | None = None) -> int:
         skew = (f", skewed: busiest expert {r['load_max_over_mean']:.2f}x the mean load (Zipf s={r['zipf_s']:.3f})"
                 if r["skew"] else f", max/mean load {r['load_max_over_mean']:.2f}")
         print(f"\nconfig {r['config']}: T={r['T']} D={r['D']} F={r['F']} E={r['E']} K={r['K']} {r['dtype']} "
+              f"{r['activation']} "
               f"dropless{skew}; {r['gflop']:.1f} GFLOP expert fwd+bwd; moepar GEMM path: {r['auto_gemm_path']}; "
               f"DeepSpeed drop_tokens={r['ds_drop_tokens']}")
         print(format_table(r["rows"], ["impl", "ms", "GFLOP/s", "of matmul", "x floor", "x reference",
-                                       "x deepspeed", "peak MB", "tokens/s", "page faults"]))
+                                       "x deepspeed", "x torchtitan", "peak MB", "tokens/s", "page faults"]))
         if r["memory_method"]:
             print(f"(peak MB: {r['memory_method']}, one fresh process per row)")
     print()
@@ -396,60 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         for c in items:
             print(f"{name}: {c['check']}" + ("" if c["ok"] is None else (": ok" if c["ok"] else ": MISSED")))
     if "gpu" in out:
+        from moepar.bench.kernel_checks import print_gpu
         print_gpu(out["gpu"])
     return rc
-
-
-# ---- CUDA: the Triton kernels against their references, and against the card's peaks -----
-
-def gpu_checks(device: torch.device, rounds: int = 5, T: int = 65536, D: int = 4096) -> dict:
-    """Routing kernel and permute/unpermute kernels vs their torch references (values and
-    gradients), and their achieved bandwidth as a fraction of a 1 GiB device copy."""
-    from moepar.bench.local import bench_bandwidth
-    from moepar.bench.routing import copy_bandwidth, cuda_time, route_bytes, verify
-    from moepar_kernels import routing as rk
-    from moepar_kernels.permute import unpermute
-    copy_bps = copy_bandwidth(device)
-    gen = torch.Generator(device=device).manual_seed(0)
-    rows, ok_all = [], True
-    for E, k in ((8, 2), (64, 8), (256, 8)):
-        logits = torch.randn(T, E, device=device, generator=gen)
-        chk = verify(logits, k, "softmax", None, False)
-        t = cuda_time(lambda: rk.routing(logits, k), 20, rounds)
-        bps = route_bytes(T, E, k) / t
-        rows.append({"kernel": f"routing E={E} k={k}", "check": "ok" if chk["ok"] else "FAIL",
-                     "max err": chk["max_weight_err"], "us": t * 1e6, "GB/s": bps / 1e9, "of copy": bps / copy_bps})
-        ok_all &= chk["ok"]
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
-        E, K, Tc, Dc = 64, 8, 4096, 1024
-        x = torch.randn(Tc, Dc, device=device, dtype=dtype, generator=gen).requires_grad_(True)
-        ids = torch.rand(Tc, E, device=device, generator=gen).topk(K, -1).indices
-        w = torch.rand(Tc, K, device=device, generator=gen).requires_grad_(True)
-        g = torch.randn(Tc, Dc, device=device, dtype=dtype, generator=gen)
-        res = {}
-        for impl in ("triton", "reference"):
-            x_ND, counts, rm = permute(x, ids, None, E, impl=impl)
-            y = unpermute(x_ND * 2, rm, w, Tc, impl=impl)
-            res[impl] = (x_ND.detach(), counts, y.detach(), *torch.autograd.grad(y, [x, w], g))
-        errs = [float((a.float() - b.float()).abs().max()) if a.is_floating_point() else float((a != b).sum())
-                for a, b in zip(res["triton"], res["reference"])]
-        scale = max(float(res["reference"][2].abs().max()), 1.0)
-        ok = errs[0] == 0 and errs[1] == 0 and max(errs[2:]) <= tol * scale * 10
-        rows.append({"kernel": f"permute+unpermute fwd/bwd {str(dtype)[6:]}", "check": "ok" if ok else "FAIL",
-                     "max err": max(errs)})
-        ok_all &= ok
-    bw = bench_bandwidth(T, D, 8, 64, torch.bfloat16, rounds, device=str(device))
-    for r in bw["rows"]:
-        rows.append({"kernel": f"{r['impl']} (T={T} D={D} K=8 bf16)", "us": r["ms"] * 1e3, "GB/s": r["GB/s"],
-                     "of copy": r["GB/s"] * 1e9 / copy_bps})
-    return {"device_name": torch.cuda.get_device_name(device), "copy_GBps": copy_bps / 1e9, "rows": rows,
-            "all_ok": bool(ok_all)}
-
-
-def print_gpu(gpu: dict) -> None:
-    print(f"\nGPU checks on {gpu['device_name']} (device copy: {gpu['copy_GBps']:.0f} GB/s):")
-    print(format_table(gpu["rows"], ["kernel", "check", "max err", "us", "GB/s", "of copy"]))
-    print("kernels vs references: " + ("all ok" if gpu["all_ok"] else "FAILED"))
 
 
 if __name__ == "__main__":

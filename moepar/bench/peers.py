@@ -9,6 +9,11 @@ why it is absent ("not importable: ...") instead of raising. Supported peers:
   expert, transposed into ``nn.Linear`` layout). Its own defaults otherwise (capacity
   factor 1.0, random token selection, second-expert sampling for k=2, min_capacity 4).
   It needs ``torch.distributed``: a one-process gloo group is created when none exists.
+* torchtitan's MoE (``torchtitan.models.common.moe.MoE``, torchtitan 0.3.0): its top-k router
+  (gate ``nn.Linear`` [E, D] in fp32, softmax or sigmoid scores, ``torch.topk``), its
+  ``GroupedExperts`` (SwiGLU only, ``torch._grouped_mm`` in bf16 whatever the layer's dtype)
+  and its ``LocalTokenDispatcher`` (argsort, gather, scatter-add; ep = 1, no capacity).
+  ``TorchTitanMoE`` holds moepar's weights; ``torchtitan_gap`` says what it cannot hold.
 * Megatron-Core MoE: ``megatron_status`` says whether ``megatron.core`` imports; no adapter
   is wired, because its MoE layer needs CUDA (checked with megatron-core 0.16.1 on the CPU:
   the router's gating calls ``torch.cuda.current_device()`` and the all-to-all token
@@ -134,3 +139,140 @@ class DeepSpeedMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         y, l_aux, _ = self.inner(x)
         return y, self.coeff * l_aux
+
+
+# ---- torchtitan ----------------------------------------------------------------------------
+TITAN_MOE = "torchtitan.models.common.moe"
+
+
+def _reason(e: Exception) -> str:
+    return f"not importable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def torchtitan_status() -> tuple[bool, str]:
+    """(importable, version or the reason it is not): whether torchtitan's MoE imports."""
+    try:
+        _import(TITAN_MOE)
+        from importlib.metadata import version
+        return True, f"torchtitan {version('torchtitan')}"
+    except Exception as e:   # ImportError, or a partial install raising anything at import
+        return False, _reason(e)
+
+
+def torchtitan_gap(moe) -> str | None:
+    """Why ``TorchTitanMoE`` cannot compute what ``moe`` computes (None: it can). torchtitan's
+    local MoE has SwiGLU experts without bias, softmax or sigmoid scores (top-k of the scores,
+    plus an expert bias for selection only, optionally renormalised and scaled), no capacity,
+    no expert TP, one rank."""
+    cfg, r = moe.config, moe.router.config
+    gaps = []
+    if moe.experts.activation != "swiglu":
+        gaps.append(f"activation={moe.experts.activation!r} (torchtitan's experts are SwiGLU only)")
+    if moe.experts.bias:
+        gaps.append("expert bias (torchtitan's experts have none)")
+    if moe.ep != 1 or moe.etp != 1:
+        gaps.append(f"ep={moe.ep}, etp={moe.etp} (the adapter builds torchtitan's local dispatcher)")
+    if moe.shared is not None:
+        gaps.append("shared experts")
+    if r.score_func not in ("softmax", "sigmoid"):
+        gaps.append(f"score_func={r.score_func!r}")
+    if r.capacity_factor is not None or r.expert_capacity is not None:
+        gaps.append("a capacity (torchtitan's local MoE is dropless)")
+    if r.num_groups is not None:
+        gaps.append("group-limited routing")
+    if r.noisy_gate_policy is not None:
+        gaps.append(f"noisy_gate_policy={r.noisy_gate_policy!r}")
+    if cfg.hf.score_before_experts:
+        gaps.append("scores applied before the experts")
+    return "; ".join(gaps) or None
+
+
+def _gate_in_fp32(module, args):
+    # torchtitan runs its gate inside torch.autocast(dtype=float32), which torch enables on
+    # CUDA only ("CPU autocast only supports bf16/fp16"; without a CUDA runtime it is
+    # disabled too): where it is off, cast the input as that region would, so that the gate
+    # runs in fp32 as it does on a GPU (and as moepar's router does).
+    x = args[0]
+    if torch.is_autocast_enabled(x.device.type):
+        return None
+    return (x.float(),) + tuple(args[1:])
+
+
+class TorchTitanMoE(nn.Module):
+    """torchtitan's ``MoE`` holding moepar's weights: gate = moepar's router weight (fp32,
+    [E, D], ``nn.Linear`` layout), ``w1_EFD``/``w3_EFD``/``w2_EDF`` = moepar's ``w1``/``w3``/
+    ``w2`` transposed, in the layer's dtype; moepar's expert bias (if any) as torchtitan's
+    ``expert_bias_E`` (its load balancing, ``load_balance_coeff`` 1e-3), else none.
+    ``forward(x [..., D]) -> y [..., D]`` (torchtitan has no aux loss: ``aux_loss`` is None).
+
+    Where the routing rules coincide (softmax or sigmoid scores, top-k, the same
+    normalisation and scale, no capacity), both compute the same function but for rounding:
+    torchtitan's experts cast rows and weights to bf16 for ``torch._grouped_mm`` whatever the
+    layer's dtype, it breaks ties in ``torch.topk``'s order (moepar: the lower index), and its
+    combine scales each route's rows in fp32, rounds them to the layer's dtype and sums them
+    in it (moepar sums the k routes before rounding)."""
+
+    aux_loss = None
+
+    def __init__(self, moe):
+        super().__init__()
+        ok, why = torchtitan_status()
+        if not ok:
+            raise ImportError(f"torchtitan {why}")
+        gap = torchtitan_gap(moe)
+        if gap is not None:
+            raise ValueError(f"the torchtitan adapter cannot hold this layer: {gap}")
+        from torchtitan.models.common.linear import Linear
+        from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
+        from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
+        from moepar.moe.router import normalizes
+        r, ex = moe.router.config, moe.experts
+        D, E, F_, K = moe.hidden, moe.num_experts, ex.ffn_hidden, moe.k
+        router = TokenChoiceTopKRouter.Config(
+            num_experts=E, gate=Linear.Config(in_features=D, out_features=E, bias=r.bias), top_k=K,
+            score_func=r.score_func, route_norm=normalizes(r), route_scale=r.scaling_factor)
+        experts = RoutedExperts.Config(inner_experts=GroupedExperts.Config(dim=D, hidden_dim=F_, num_experts=E),
+                                       token_dispatcher=LocalTokenDispatcher.Config(num_experts=E, top_k=K))
+        config = MoE.Config(num_experts=E, router=router, routed_experts=experts,
+                            load_balance_coeff=1e-3 if r.expert_bias else None)
+        device = moe.router.weight.device
+        with torch.device(device):
+            self.inner = config.build()
+        dtype = ex.w1.dtype
+        inner = self.inner.routed_experts.inner_experts
+        with torch.no_grad():
+            self.inner.router.gate.weight.copy_(moe.router.weight)
+            if r.bias:
+                self.inner.router.gate.bias.copy_(moe.router.bias)
+            for name, src in (("w1_EFD", ex.w1), ("w3_EFD", ex.w3), ("w2_EDF", ex.w2)):
+                setattr(inner, name, nn.Parameter(src.detach().transpose(1, 2).contiguous().to(dtype)))
+            if r.expert_bias:
+                self.inner.expert_bias_E.copy_(moe.router.expert_bias)
+            self.inner.tokens_per_expert_E.zero_()
+        if not (device.type == "cuda" and torch.cuda.is_available()):
+            self.inner.router.gate.register_forward_pre_hook(_gate_in_fp32)
+        self.train(moe.training)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x.reshape(1, -1, x.shape[-1])).reshape(x.shape)
+
+
+def compare_with_moepar(moe, peer: TorchTitanMoE, x: torch.Tensor, g: torch.Tensor) -> dict:
+    """One forward + backward of both on ``x`` (output gradient ``g``): the relative errors
+    ``|a - b| / |b|`` (Frobenius norms) of torchtitan's output and input gradient against
+    moepar's, and on how many tokens their routers pick the same set of experts."""
+    xa, xb = x.detach().clone().requires_grad_(True), x.detach().clone().requires_grad_(True)
+    ya, yb = moe(xa), peer(xb)
+    (dxa,) = torch.autograd.grad(ya, xa, g)
+    (dxb,) = torch.autograd.grad(yb, xb, g)
+    with torch.no_grad():
+        x_TD = x.detach().reshape(-1, x.shape[-1])
+        ids_a = moe.router(x_TD, count=False).expert_ids.sort(-1).values
+        inner = peer.inner
+        ids_b = inner.router(x_TD.unsqueeze(0), inner.expert_bias_E)[1].reshape(ids_a.shape).sort(-1).values
+
+    def rel(a, b):
+        b = b.detach().double()
+        return float((a.detach().double() - b).norm() / b.norm().clamp_min(1e-30))
+    return {"rel_err_y": rel(yb, ya), "rel_err_dx": rel(dxb, dxa), "tokens": ids_a.shape[0],
+            "same_experts": int((ids_a == ids_b).all(-1).sum())}
