@@ -15,6 +15,7 @@ MODES = {
     "dispatch": "moepar.bench.dispatch",  # all-to-all dispatch vs raw all_to_all_single (torchrun)
     "replicas": "moepar.bench.replicas",  # expert replication on skewed routing (torchrun)
     "fsdp": "moepar.bench.fsdp",          # model-state memory per rank, fully_shard vs all-reduce (torchrun)
+    "ops": "moepar.bench.ops",            # device ops, launches, Python calls per step on fake CUDA (checkout)
 }
 SINGLE_PROCESS = ("routing", "local", "layer")
 

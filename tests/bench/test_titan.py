@@ -1,7 +1,11 @@
 """torchtitan's MoE as a benchmark peer (moepar.bench.peers.TorchTitanMoE): it holds moepar's
 weights and computes moepar's function where the routing rules coincide; the layer bench
-puts it beside moepar.
+puts it beside moepar; the Python-call counter behind ``bench ops`` counts what it claims.
 Where torchtitan is not installed, the tests check that the benches say why instead."""
+import functools
+import os
+import sys
+
 import pytest
 import torch
 
@@ -9,6 +13,7 @@ from moepar.bench import layer as bench_layer
 from moepar.bench.peers import TorchTitanMoE, compare_with_moepar, torchtitan_gap, torchtitan_status
 from moepar.moe.layer import MoE
 from moepar.parallel.groups import ParallelState
+from tests.helpers.multiproc import run_ranks
 
 HAVE, WHY = torchtitan_status()
 
@@ -84,3 +89,41 @@ def test_layer_bench_puts_torchtitan_beside_moepar():
     rows = {r["impl"]: r for r in out["configs"][0]["rows"]}
     assert bench_layer.MOEPAR_SWIGLU not in rows and rows[bench_layer.MOEPAR]["x torchtitan"] > 0
     assert rows[bench_layer.MOEPAR]["x floor"] > 0
+
+
+def _counted():
+    """Python calls the counter sees for a plain function, a device op (the instrument's
+    dispatch is not counted) and a Triton launch (the interpreter's frames are not)."""
+    from moepar.bench.ops import PythonCalls
+    from moepar_kernels import routing as rk
+    from tests.helpers import fake_cuda
+
+    def three():
+        return [abs(i) for i in range(3)] and _one() + _one() + _one()
+    out = {}
+    with fake_cuda.session(strict=True) as rec:
+        x = fake_cuda.to_cuda(torch.randn(64, 8))
+        rk.routing(x, 2)   # first call: compile/caches
+        for name, fn in (("three", three), ("op", functools.partial(torch.add, x, 1)),
+                         ("routing", functools.partial(rk.routing, x, 2))):
+            calls = PythonCalls(os.path.dirname(fake_cuda.__file__))
+            calls.install()
+            with rec.phase(name):
+                calls.start(name)
+                fn()
+                calls.stop()
+            sys.setprofile(None)
+            out[name] = (calls.counts[name], len(rec.device_ops(name)), len(rec.launches(name)))
+    return out
+
+
+def _one():
+    return 1
+
+
+def test_python_call_counter_leaves_out_the_instrument_and_triton():
+    got = run_ranks(_counted, 1, fake_cuda=True)[0]
+    assert got["three"][0] == 5, got          # three, its list comprehension, _one x 3
+    assert got["op"] == (0, 1, 0), got        # one device op, no Python of the layer's
+    calls, ops, launches = got["routing"]
+    assert launches == 1 and 5 <= calls <= 150, got   # the launcher's Python; the interpreted kernel's is not
