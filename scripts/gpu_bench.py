@@ -111,14 +111,17 @@ class Section:
             self.emit(config=config, row=name, ms=self.time(step) * 1e3, first_s=round(first, 2), **extra)
         except Exception as e:   # noqa: BLE001 - the row shows it, the section goes on
             traceback.print_exc()
-            self.emit(config=config, row=name, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}",
-                      **extra)
+            self.emit(config=config, row=name, error=first_line(e), **extra)
         finally:
             import gc
             import torch
             gc.collect()
             if self.device == "cuda":
                 torch.cuda.empty_cache()
+
+
+def first_line(e: Exception, width: int = 200) -> str:
+    return f"{type(e).__name__}: {str(e).splitlines()[0][:width] if str(e) else ''}"
 
 
 def shapes(config: str, dry: bool):
@@ -229,7 +232,7 @@ def section_compiled(sec: Section, impl: str, configs: tuple[str, ...]) -> None:
             try:
                 grad_step(compile_module(sec, layer), x, g)()
             except Exception as e:   # noqa: BLE001 - reported in the row
-                first_error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+                first_error = first_line(e, 160)
                 torch._dynamo.reset()
                 grad_step(layer, x, g)()   # one eager step, then compile again
             compiled = compile_module(sec, layer)

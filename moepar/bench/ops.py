@@ -80,9 +80,10 @@ def _pkg_dir(name: str) -> str | None:
 
 
 class PythonCalls:
-    """Counts Python frames entered while ``counting(phase)`` is active, in every thread it
-    has been installed in (``install()``: the current thread). See the module docstring for
-    what is left out. ``counts[phase]``: total; ``by_package[phase]``: per top-level package."""
+    """Counts the Python frames entered between ``start(phase)`` and ``stop()`` in every thread
+    it is installed in (``install()``: the calling thread; ``backward_hook``: the autograd
+    engine's). What is left out: the module docstring. ``counts[phase]``: the total;
+    ``by_package[phase]``: per top-level package."""
 
     def __init__(self, instrument_dir: str):
         self.instrument = os.path.abspath(instrument_dir) + os.sep
@@ -337,12 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     if ROOT not in sys.path:
         sys.path.insert(0, ROOT)
     from tests.helpers.multiproc import run_ranks   # its workers are stopped at exit
-    t0 = time.time()
+    t0, date = time.time(), time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = {n: run_ranks(_worker, 1, CONFIGS[n], layers, fake_cuda=True, timeout=args.timeout)[0]
                for n in names}
     import torch
     from moepar.bench.peers import torchtitan_status
-    head = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+    head = {"date": date, "torch": torch.__version__,
             "torchtitan": torchtitan_status()[1], "configs": {n: dict(zip("TDFEK", CONFIGS[n])) for n in names},
             "seconds": round(time.time() - t0, 1)}
     if args.json:

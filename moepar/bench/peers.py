@@ -27,6 +27,7 @@ import importlib
 import logging
 import os
 import socket
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -251,6 +252,9 @@ class TorchTitanMoE(nn.Module):
             self.inner.tokens_per_expert_E.zero_()
         if not (device.type == "cuda" and torch.cuda.is_available()):
             self.inner.router.gate.register_forward_pre_hook(_gate_in_fp32)
+            # torch's note at every call that it turned the region off: the hook stands in for it
+            warnings.filterwarnings("ignore", "In CPU autocast, but the target dtype is not supported",
+                                    UserWarning)
         self.train(moe.training)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,8 @@ def test_the_gpu_bench_dry_runs_every_kind_of_section(tmp_path):
     out = tmp_path / "bench.md"
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_bench.py"), "--device", "cpu", "--out",
                         str(out), "--sections", "device,eager A-bf16,eager DeepSeek-V3,routing,compiled A-bf16"],
-                       cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=300)
+                       cwd=ROOT, env=dict(os.environ, TRITON_INTERPRET="1"), capture_output=True, text=True,
+                       timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     table = out.read_text()
     cells = {tuple(c.strip() for c in ln.split("|")[1:3]): ln for ln in table.splitlines() if ln.startswith("| ")}
