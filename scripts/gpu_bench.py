@@ -1,4 +1,4 @@
-"""One prepared GPU run (issue 44): moepar's MoE layer eager, compiled whole and captured in a
+"""One prepared GPU run: moepar's MoE layer eager, compiled whole and captured in a
 CUDA graph, torchtitan's MoE eager and compiled, and the autograd ``F.grouped_mm`` floor,
 forward + backward, at docs/bench.md's A, B, C-bf16 and at two model-sized layers
 (Mixtral-8x7B's and a DeepSeek-V3-shaped one); then the routing kernel alone against the

@@ -21,7 +21,7 @@ Per forward and per backward (one of each after a warm-up step; world of one, ep
 
 The forward is the layer plus ``y.float().sum()`` (plus moepar's aux loss when it is on);
 the backward is ``loss.backward()``. Configurations: ``small`` (bf16, T 64, D 32, F 64, E 8,
-K 2, the issue's and tests/parallel/test_device_ops.py's) and ``B-bf16`` (docs/bench.md's B:
+K 2, the one tests/parallel/test_device_ops.py holds) and ``B-bf16`` (docs/bench.md's B:
 T 4096, D 256, F 256, E 64, K 8). moepar runs with SwiGLU experts (the FFN torchtitan's
 experts compute) and, for the budget's own layer, GELU (the default).
 

@@ -26,7 +26,7 @@ RECORDED = {"moepar": {"ops": 52, "python": 374}, "torchtitan": {"ops": 68, "pyt
 # Python calls are mostly torch's own frames, which differ from one torch release to the
 # next: the recorded Python counts hold on the torch they were recorded with.
 RECORDED_TORCH = "2.13."
-# Issue 44's targets: moepar's device ops + launches at most 0.75x torchtitan's, its Python
+# The targets: moepar's device ops + launches at most 0.75x torchtitan's, its Python
 # calls at most torchtitan's. Held once the launch work lands: the lead sets HOLD_PEER_TARGETS.
 PEER_RATIO_TARGET = 0.75
 PEER_PYTHON_TARGET = 1.0
