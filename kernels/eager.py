@@ -26,9 +26,11 @@ def tracing() -> bool:
 
 
 def both(op: Callable, impl: Callable, setup_context: Callable | None = None,
-         backward: Callable | None = None) -> Callable:
+         backward: Callable | None = None, grad_args: tuple[int, ...] = (0,)) -> Callable:
     """``op`` while torch.compile traces, else ``impl`` as an autograd Function with the
-    op's ``setup_context``/``backward`` (None: not differentiable, a plain call)."""
+    op's ``setup_context``/``backward`` (None: not differentiable, a plain call).
+    ``grad_args``: the positions of the arguments that may need a gradient; the Function
+    takes those and one tuple of the rest (``Function.apply`` pays Python work per argument)."""
     if backward is None:
         def call(*args):
             return op(*args) if tracing() else impl(*args)
@@ -39,14 +41,19 @@ def both(op: Callable, impl: Callable, setup_context: Callable | None = None,
         # default arguments through inspect.signature, Python work on every call.
         @staticmethod
         def forward(ctx, *inputs):
-            output = impl(*inputs)
-            ctx.eager, ctx.num_inputs = True, len(inputs)
-            setup_context(ctx, inputs + defaults[len(inputs) - required:], output)
+            args = inputs[-1]   # the given tensors of grad_args are these same objects
+            args = args + defaults[len(args) - required:]
+            output = impl(*args)
+            ctx.eager = True
+            setup_context(ctx, args, output)
             return output
 
         @staticmethod
         def backward(ctx, *grads):
-            return backward(ctx, *grads)[:ctx.num_inputs]   # one per input given (defaults: none)
+            every = backward(ctx, *grads)
+            if len(grad_args) == 1:   # no generator: each resumption is a Python call
+                return every[grad_args[0]], None
+            return tuple([every[i] for i in grad_args]) + (None,)
 
     # The op's trailing defaults, for a call that leaves them out (setup_context reads all).
     import inspect
@@ -56,5 +63,7 @@ def both(op: Callable, impl: Callable, setup_context: Callable | None = None,
     Fn.__name__ = Fn.__qualname__ = f"{impl.__name__.strip('_')}_eager"
 
     def call(*args):
-        return op(*args) if tracing() else Fn.apply(*args)
+        if tracing():
+            return op(*args)
+        return Fn.apply(*[args[i] for i in grad_args], args)
     return call

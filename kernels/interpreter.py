@@ -24,12 +24,12 @@ def _version(text: str) -> tuple[int, ...]:
 # Read once, at import: ``triton.jit`` decides when our kernels are defined (at import)
 # whether they are interpreted, so a later change would not change what runs; and no
 # launch reads the environment.
-_ACTIVE = os.environ.get("TRITON_INTERPRET", "0") == "1"
+ACTIVE = os.environ.get("TRITON_INTERPRET", "0") == "1"   # read as a constant in the launchers
 
 
 def active() -> bool:
     """Whether the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1`` at import)."""
-    return _ACTIVE
+    return ACTIVE
 
 
 def incompatibility(triton_version: str, numpy_version: str) -> str | None:

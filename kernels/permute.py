@@ -130,8 +130,8 @@ def _next_pow2(n: int) -> int:
 def _blocks(num_rows: int, D: int) -> tuple[int, int, int]:
     """(rows per program, D chunk, warps). ~4-8k elements a tile on a GPU; the
     interpreter pays per program and per op, not per element, so it gets big tiles."""
-    block_d = min(_next_pow2(max(D, 1)), 4096 if interpreter.active() else 1024)
-    tile = 65536 if interpreter.active() else (8192 if block_d >= 1024 else 4096)
+    block_d = min(_next_pow2(max(D, 1)), 4096 if interpreter.ACTIVE else 1024)
+    tile = 65536 if interpreter.ACTIVE else (8192 if block_d >= 1024 else 4096)
     block_n = max(1, min(tile // block_d, _next_pow2(max(num_rows, 1))))
     return block_n, block_d, 8 if block_d >= 1024 else 4
 
@@ -142,7 +142,7 @@ def _use_triton(t: torch.Tensor, impl: str) -> bool:
     if impl == "triton":
         if triton is None:
             raise ValueError("impl='triton' needs the triton package")
-        if t.device.type != "cuda" and not interpreter.active():
+        if t.device.type != "cuda" and not interpreter.ACTIVE:
             raise ValueError(f"impl='triton' needs CUDA tensors (got {t.device}) or TRITON_INTERPRET=1 "
                              f"set before import; use impl='auto' or 'reference'")
         interpreter.check()
@@ -395,7 +395,7 @@ def _unpermute_backward(ctx, grad_TD):
 
 
 _unpermute_op.register_autograd(_unpermute_backward, setup_context=_unpermute_setup)
-_unpermute_call = both(_unpermute_op, _unpermute_impl, _unpermute_setup, _unpermute_backward)
+_unpermute_call = both(_unpermute_op, _unpermute_impl, _unpermute_setup, _unpermute_backward, grad_args=(0, 2))
 
 
 def _unpermute_bwd_impl(grad_TD: torch.Tensor, y_ND: Optional[torch.Tensor], row_map_TK: torch.Tensor,

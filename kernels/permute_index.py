@@ -63,6 +63,10 @@ def route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
     # Routes, expert-major, token order inside. Narrow keys sort faster (radix passes).
     narrow = torch.int16 if E + 2 <= torch.iinfo(torch.int16).max else torch.int32
     order_R = torch.sort(key_R.to(narrow), stable=True).indices
+    if capacity is None and dropped_TK is None and num_rows == R:
+        # every route has a row: its map is the sort's inverse, written whole (no -1 fill)
+        row_map_R = torch.empty_like(order_R).index_copy_(0, order_R, torch.arange(R, device=dev))
+        return counts_E, row_map_R.view(T, K), order_R
     row_map_R = torch.full((R,), -1, dtype=torch.int64, device=dev)
     if capacity is None:
         route_N = order_R[:num_rows]

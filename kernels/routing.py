@@ -182,7 +182,7 @@ def _check(logits_TE: torch.Tensor, k: int, score_func: str, expert_bias_E: Opti
 
 def _block_t(E: int) -> int:
     block_e = _next_pow2(E)
-    if interpreter.active():   # the interpreter pays per op, not per element: big tiles
+    if interpreter.ACTIVE:   # the interpreter pays per op, not per element: big tiles
         return max(1, min(4096, (1 << 20) // block_e))
     return max(1, min(128, 4096 // block_e))   # ~4k fp32 per tile in registers
 
@@ -296,7 +296,7 @@ def routing(logits_TE: torch.Tensor, k: int, score_func: str = "softmax",
     with a non-finite logit and the load-balancing loss.
     """
     _check(logits_TE, k, score_func, expert_bias_E, MAX_EXPERTS, MAX_K)
-    if logits_TE.device.type != "cuda" and not interpreter.active():
+    if logits_TE.device.type != "cuda" and not interpreter.ACTIVE:
         raise ValueError(f"the routing kernel needs CUDA tensors (got {logits_TE.device}) "
                          f"or TRITON_INTERPRET=1 set before import; use routing_reference")
     _check_launch(block_t, num_warps)

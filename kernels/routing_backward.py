@@ -109,7 +109,7 @@ if triton is not None:
 
 def _block_t(E: int) -> int:
     block_e = 1 << max(0, (int(E) - 1).bit_length())
-    if interpreter.active():
+    if interpreter.ACTIVE:
         return max(1, min(4096, (1 << 20) // block_e))
     return max(1, min(64, 4096 // block_e))   # a few [T, E] fp32 tiles live at once
 
@@ -183,7 +183,7 @@ def routing_backward(logits_TE: torch.Tensor, ids_TK: torch.Tensor, grad_weights
                      aux_grad_E: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The gradient of the logits [T, E] (in the logits' dtype): one launch where Triton runs
     (the forward's kernel ran there), the torch reference elsewhere."""
-    if triton is None or (logits_TE.device.type != "cuda" and not interpreter.active()):
+    if triton is None or (logits_TE.device.type != "cuda" and not interpreter.ACTIVE):
         return routing_backward_reference(logits_TE, ids_TK, grad_weights_TK, score_func, normalize,
                                           scaling_factor, aux_grad_E).to(logits_TE.dtype)
     args = (logits_TE, ids_TK, grad_weights_TK, score_func, bool(normalize), float(scaling_factor), aux_grad_E)

@@ -204,7 +204,8 @@ class GroupedExperts(nn.Module):
     def weights(self) -> tuple:
         """(w1, w2, w3, b1, b2, b3) in moepar's layouts (None where absent): what the GEMMs
         read. A subclass holding its tensors in another layout returns views of them here."""
-        return (self.w1, self.w2, self.w3, self.b1, self.b2, self.b3)
+        p = self._parameters   # what self.w1 ... reads, without a Python __getattr__ each
+        return (p["w1"], p["w2"], p["w3"], p["b1"], p["b2"], p["b3"])
 
     def _counts(self, tokens_per_expert, x_ND: torch.Tensor, num_blocks: int | None = None) -> list[int]:
         """The counts as a host list (a host read if they live on an accelerator)."""
@@ -329,8 +330,8 @@ class GroupedExperts(nn.Module):
             if any(not 0 <= e < self.num_slots for e in seg):
                 raise ValueError(f"segment_experts={seg} must lie in [0, {self.num_slots}) (the local experts or slots)")
             counts = self._counts(tokens_per_expert, x_ND, len(seg))
-            return ExpertsFunction.apply(x_ND, *params, counts, None, "loop", self._act, seg, rebuild,
-                                         self.weight_grad_buffers)
+            return ExpertsFunction.apply(x_ND, *params, (counts, None, "loop", self._act, seg, rebuild,
+                                                         self.weight_grad_buffers))
         # The custom op takes the built-in activation names only: the others stay eager.
         if (torch.compiler.is_compiling() and isinstance(tokens_per_expert, torch.Tensor)
                 and isinstance(self._act, str)):
@@ -340,8 +341,8 @@ class GroupedExperts(nn.Module):
         path = self.resolve_gemm_path(x_ND, counts)
         if counts is None and path != "grouped_mm":   # the other paths size their GEMMs on the host
             counts = self._counts(tokens_per_expert, x_ND)
-        return ExpertsFunction.apply(x_ND, *params, counts, counts_dev, path, self._act, None, rebuild,
-                                     self.weight_grad_buffers)
+        return ExpertsFunction.apply(x_ND, *params, (counts, counts_dev, path, self._act, None, rebuild,
+                                                     self.weight_grad_buffers))
 
     def _add_bias(self, y_ND: torch.Tensor, b2: torch.Tensor, tokens_per_expert, host_counts) -> torch.Tensor:
         """``y_ND`` plus b2 [S, D] on each block's rows (device counts where given: no host read)."""

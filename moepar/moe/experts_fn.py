@@ -59,8 +59,10 @@ class ExpertsFunction(torch.autograd.Function):
     views of its own layout's gradients here, so that no gradient is copied into it."""
 
     @staticmethod
-    def forward(ctx, x, w1, w2, w3, b1, b2, b3, counts, counts_dev, path, activation, segment_experts=None,
-                rebuild=None, grad_buffers=None):
+    def forward(ctx, x, w1, w2, w3, b1, b2, b3, plan):
+        # plan: (counts, counts_dev, path, activation, segment_experts, rebuild, grad_buffers),
+        # one argument (Function.apply pays Python work per argument; none of these has a grad).
+        counts, counts_dev, path, activation, segment_experts, rebuild, grad_buffers = plan
         # segment_experts: row block i is for expert segment_experts[i] (any order, repeats
         # allowed; the loop path with whole weights, see LoopGemm); None: block e is expert e.
         # rebuild: a function returning (w1, w2, w3) again in the backward, for weights the
@@ -177,11 +179,15 @@ class ExpertsFunction(torch.autograd.Function):
             sl = slice(e0, e1)
             part = (lambda t: t) if ctx.mapped else (lambda t: part_of(t, sl))   # noqa: E731
             gyg = gemm.pad(gy[r0:r1])
+            s1 = None
             if a is None:   # recompute the activation's output (gw2 needs it)
                 if not isinstance(act, str):
                     a = act.forward(h1, h3)
+                elif act == "swiglu":   # silu(h1) kept: d/dh3 below is silu(h1) * ga (one op fewer)
+                    s1 = F.silu(h1)
+                    a = s1 * h3
                 else:
-                    a = F.silu(h1).mul_(h3) if act == "swiglu" else F.gelu(h1)
+                    a = F.gelu(h1)
             put("w2", part, lambda out: gemm.wgrad(a, gyg, out=out))
             put("b2", part, lambda out: gemm.bias_grad(gyg, out=out))
             if act != "relu":
@@ -190,7 +196,7 @@ class ExpertsFunction(torch.autograd.Function):
             del gyg
             gh3 = None
             if act == "swiglu":
-                gh3 = F.silu(h1).mul_(ga)                 # d/dh3 of silu(h1) * h3
+                gh3 = (F.silu(h1) if s1 is None else s1).mul_(ga)   # d/dh3 of silu(h1) * h3
                 gh1 = torch.ops.aten.silu_backward.grad_input(ga.mul_(h3), h1, grad_input=ga)
             elif not isinstance(act, str):   # its own backward: (d h1, d h3 or None)
                 gh1, gh3 = act.backward(ga, h1, h3)
@@ -222,7 +228,7 @@ class ExpertsFunction(torch.autograd.Function):
                 gx[gx_first[0]:gx_first[1]] = gx_first[2]
                 gx_first = None
         g = grads.get
-        return gx, g("w1"), g("w2"), g("w3"), g("b1"), g("b2"), g("b3"), None, None, None, None, None, None, None
+        return gx, g("w1"), g("w2"), g("w3"), g("b1"), g("b2"), g("b3"), None
 
 
 def check_counts(counts: list[int], num_local_experts: int, rows: int) -> list[int]:

