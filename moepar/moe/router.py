@@ -52,18 +52,25 @@ class Routing:
     noise_rng: Optional[torch.Tensor] = None
     score_func: str = "softmax"
 
-    @functools.cached_property
+    # Made on first use and kept in the instance's dict (not functools.cached_property: it
+    # takes a lock on Python 3.11, which torch.compile cannot trace).
+    @property
     def dropped(self) -> torch.Tensor:
         """[T, K] bool: the routes dropped over capacity (all False when dropless; made on
         first use, so that a dropless forward issues no op for it)."""
         if self.dropped_TK is not None:
             return self.dropped_TK
-        return torch.zeros_like(self.expert_ids, dtype=torch.bool)
+        if "_dropped" not in self.__dict__:
+            self.__dict__["_dropped"] = torch.zeros_like(self.expert_ids, dtype=torch.bool)
+        return self.__dict__["_dropped"]
 
-    @functools.cached_property
+    @property
     def scores(self) -> torch.Tensor:
         """[T, E] fp32 raw scores: softmax or sigmoid of the logits, no bias (made on first use)."""
-        return torch.sigmoid(self.logits) if self.score_func == "sigmoid" else torch.softmax(self.logits, -1)
+        if "_scores" not in self.__dict__:
+            self.__dict__["_scores"] = (torch.sigmoid(self.logits) if self.score_func == "sigmoid"
+                                        else torch.softmax(self.logits, -1))
+        return self.__dict__["_scores"]
 
 
 def normalizes(cfg: RouterConfig) -> bool:

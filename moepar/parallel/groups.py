@@ -197,18 +197,27 @@ class ParallelState:
         return self.layout.moe_rows(self.rank)
 
     # A state's layout and groups do not change until destroy_parallel forgets the groups
-    # (and these with them), so the MoE layers' view of them is computed once, on first use.
-    @functools.cached_property
+    # (and these with them), so the MoE layers' view of them is computed once, on first use
+    # (kept in the instance's dict by hand: functools.cached_property takes a lock on
+    # Python 3.11, which torch.compile cannot trace through on a fresh layer's first call).
+    @property
     def moe_topology(self) -> "MoeTopology":
         """What an MoE layer's forward needs of this rank's groups (TP ranks share tokens)."""
-        return MoeTopology(self.moe_group, self.moe_size, self.moe_rows, self.ep_group, self.ep_size,
-                           self.ep_rank, self.etp_group, self.etp_size, self.etp_rank, self.tp_group,
-                           self.tp_size if self.tp_group is not None else 1)
+        topo = self.__dict__.get("_moe_topology")
+        if topo is None:
+            topo = self.__dict__["_moe_topology"] = MoeTopology(
+                self.moe_group, self.moe_size, self.moe_rows, self.ep_group, self.ep_size, self.ep_rank,
+                self.etp_group, self.etp_size, self.etp_rank, self.tp_group,
+                self.tp_size if self.tp_group is not None else 1)
+        return topo
 
-    @functools.cached_property
+    @property
     def moe_topology_sp(self) -> "MoeTopology":
         """``moe_topology`` under sequence parallelism: each TP rank's tokens are its own."""
-        return dataclasses.replace(self.moe_topology, tp_group=None, tp=1)
+        topo = self.__dict__.get("_moe_topology_sp")
+        if topo is None:
+            topo = self.__dict__["_moe_topology_sp"] = dataclasses.replace(self.moe_topology, tp_group=None, tp=1)
+        return topo
 
     @property
     def model_parallel_seed(self) -> int:
