@@ -145,19 +145,36 @@ def load(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = 
     except Exception as e:   # agreed below: a rank that raised alone would leave its peers in DCP
         error = e
     try:
-        first_of_stage = state.rank % state.layout.stage_size == 0
-        # With pipeline stages a saved parameter is foreign only if no stage holds it.
-        stages = _agree(error, state, plan.foreign_here if state.layout.pp > 1 and first_of_stage else None)
-        held_nowhere = set.intersection(*(set(f) for f in stages if f is not None)) if state.layout.pp > 1 else ()
-        if held_nowhere:
-            raise CheckpointError(f"{path} has {len(held_nowhere)} parameters no pipeline stage of this model "
-                                  f"holds, e.g. {sorted(held_nowhere)[:3]}: a checkpoint of another model")
+        # With pipeline stages a saved parameter is foreign only if no stage holds it: each
+        # stage's first rank sends which of the saved parameters it holds, as bits.
+        pp, first_of_stage = state.layout.pp, state.rank % state.layout.stage_size == 0
+        held = plan.held_bits() if pp > 1 and first_of_stage and error is None else None
+        stages = [h for h in _agree(error, state, held) if h is not None]
+        if pp > 1:
+            _refuse_foreign(path, plan.saved_model_keys(), stages)
     except BaseException:
         plan.undo()
         raise
-    if plan.sd:
+    if plan.sd or layout.distributed():   # every rank enters DCP's collectives, even with nothing to read
         dcp.load(plan.sd, storage_reader=plan.reader, planner=SafeLoadPlanner(), no_dist=not layout.distributed())
     return plan.apply()
+
+
+def _refuse_foreign(path: str, saved: list[str], stages: list[tuple[int, int]]) -> None:
+    """CheckpointError when a saved parameter is held by no stage, or when the stages read
+    different checkpoints: decided from the gathered bits alone, so on every rank alike."""
+    counts = sorted({n for n, _ in stages})
+    if len(counts) > 1:
+        raise CheckpointError(f"{path}: the pipeline stages read different checkpoints there "
+                              f"({counts} parameters)")
+    anywhere = 0
+    for _, bits in stages:
+        anywhere |= bits
+    nowhere = [i for i in range(counts[0] if counts else 0) if not anywhere >> i & 1]
+    if nowhere:
+        names = [saved[i] if len(saved) == counts[0] else f"#{i}" for i in nowhere[:3]]
+        raise CheckpointError(f"{path} has {len(nowhere)} parameters no pipeline stage of this model "
+                              f"holds, e.g. {names}: a checkpoint of another model")
 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")

@@ -42,7 +42,7 @@ class LoadPlan:
         self.rng = None
         self.counters: dict | None = None
         self.placements: list = []
-        self.foreign_here: list = []
+        self.held: set = set()
         self.warnings: list[str] = []
 
     def read(self, key: str):
@@ -121,9 +121,8 @@ class LoadPlan:
             raise CheckpointError(f"{path} has no {per_rank[0]}: optimizer state of another shape than its sliced "
                                   f"parameter is saved per rank and loads only in the layout it was saved at "
                                   f"({there}), not at {here}")
-        held = set(self.sd) | transient
-        self.foreign_here = sorted(k for k in saved if k.startswith("model.") and k not in held)
-        foreign = self.foreign_here if self.state.layout.pp == 1 else []   # pp > 1: agreed by every stage
+        self.held = held = set(self.sd) | transient
+        foreign = [k for k in self.saved_model_keys() if k not in held] if self.state.layout.pp == 1 else []
         if missing or foreign:
             what = (f"has no entry for {len(missing)} of this model's, e.g. {missing[:3]}" if missing else
                     f"has {len(foreign)} parameters this model lacks, e.g. {foreign[:3]}")
@@ -159,10 +158,10 @@ class LoadPlan:
         replicas = {k: self.read(k) for k in (f"replicas.{n}" for n, m in layers if m.replicas is not None)
                     if k in saved}
         every = None
-        if replicas and not same:
+        accum = any(torch.is_tensor(getattr(m.router, "load_accum", None)) for _, m in layers)
+        if not same and (replicas or accum):
             every = [self.read(k) for k in sorted(saved) if k.startswith("local.")]
-        if not same and any(k.startswith("local.") for k in saved) and any(
-                torch.is_tensor(getattr(m.router, "load_accum", None)) for _, m in layers):
+        if every and accum and any(bool(c.get("load_accum", torch.zeros(1)).any()) for e in every for c in e.values()):
             self.warnings.append(f"{self.path}: saved at {self.there}, loaded at {self.here}: the routes each "
                                  f"rank counted for update_expert_bias since its last call are not restored")
         if replicas:
@@ -172,6 +171,15 @@ class LoadPlan:
                 self.placements = prepare_placements(self.model, wanted)
             except ValueError as e:
                 raise CheckpointError(f"{self.path}: {e}") from None
+
+    def saved_model_keys(self) -> list[str]:
+        """The checkpoint's model entries, sorted (empty when its metadata was not read)."""
+        return sorted(k for k in self.md.state_dict_metadata if k.startswith("model.")) if self.md else []
+
+    def held_bits(self) -> tuple[int, int]:
+        """(how many model entries the checkpoint has, a bit per entry: this rank holds it)."""
+        keys = self.saved_model_keys()
+        return len(keys), sum(1 << i for i, k in enumerate(keys) if k in self.held)
 
     def undo(self) -> None:
         """Put back what ``prepare`` changed (the load was refused)."""
