@@ -153,3 +153,38 @@ def test_fused_and_capturable_adam_get_step_on_the_device(tmp_path):
     the saving optimizer had cuda:0), which capturable and fused Adam refuse at the next step."""
     (out,) = run_ranks(_on_the_device, 1, str(tmp_path), fake_cuda=True)
     assert out == {"capturable": (["cuda:0", "cuda:0"], True), "fused": (["cuda:0", "cuda:0"], True)}, out
+
+
+def _factored(path, tp, load):
+    """Adafactor (row and column statistics: shapes other than the parameter's) on a
+    TP-sliced linear: saved at tp2, loaded at ``tp``."""
+    from moepar.parallel import ColumnParallelLinear, init_parallel
+    state = init_parallel(tp, 1, verbose=False)
+    model = ColumnParallelLinear(6, 4, gather_output=True, init_seed=1 if not load else 9, state=state)
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    if not load:
+        model(torch.randn(3, 6, generator=torch.Generator().manual_seed(0))).square().sum().backward()
+        opt.step()
+        checkpoint.save(path, model, opt)
+        return {k: v.clone() for k, v in opt.state[model.weight].items()}
+    try:
+        checkpoint.load(path, model, opt)
+    except CheckpointError as e:
+        return str(e)
+    return {k: v.clone() for k, v in opt.state[model.weight].items()}
+
+
+def test_factored_state_of_a_sliced_parameter_is_saved_per_rank(tmp_path):
+    """Adafactor's row_var/col_var of a TP-sliced weight differ from rank to rank: each rank
+    gets its own back at the same layout, and another layout is refused by name (they
+    cannot be resharded). Checked to fail without the fix: the load was refused (it created
+    Adam's keys); and the save wrote each statistic as one replicated entry, which DCP keeps
+    from one rank only."""
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_factored, 2, path, 2, False)
+    assert not torch.equal(saved[0]["col_var"], saved[1]["col_var"])
+    for mine, got in zip(saved, run_ranks(_factored, 2, path, 2, True)):
+        assert got.keys() == mine.keys() and all(torch.equal(got[k], mine[k]) for k in mine)
+    for got in run_ranks(_factored, 2, path, 1, True):
+        assert "has no optim.weight.row_var@world2.tp1.ep1.etp1.rank" in got and "saved per rank and loads only " \
+            "in the layout it was saved at (world2.tp2.ep1.etp1), not at world2.tp1.ep1.etp1" in got, got
