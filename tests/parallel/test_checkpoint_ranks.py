@@ -9,7 +9,6 @@ import re
 import shutil
 import warnings
 
-import pytest
 import torch
 from torch import nn
 
