@@ -25,8 +25,7 @@ from torch import nn
 from .. import checks
 from ..parallel import comm
 from .layer import MoE
-from .placement import (Copy, Placement, check_placement_args, placement_from_values, placement_values,
-                        plan_placement)
+from .placement import Placement, check_placement_args, placement_from_values, placement_values, plan_placement
 from .replicas import OWNER_SLACK
 
 
@@ -173,36 +172,22 @@ def named_moe_layers(model: nn.Module):
 
 
 def placement_plain(placement: Placement) -> dict:
-    """A slot map as plain values (numbers and lists), what a checkpoint may hold."""
+    """A slot map as plain values (numbers and lists, ``placement_values``' form), what a
+    checkpoint may hold."""
     return {"num_experts": placement.num_experts, "redundant_experts": placement.redundant_experts,
-            "ep_size": placement.ep_size, "loads": list(placement.loads),
-            "slots": [list(held) for held in placement.slots],
-            "copies": [[[c.rank, c.slot, c.share] for c in copies] for copies in placement.copies]}
+            "ep_size": placement.ep_size, "loads": list(placement.loads), "values": placement_values(placement)}
 
 
 def placement_of(value, where: str) -> Placement:
-    """The slot map ``placement_plain`` gave (or a Placement itself), checked: ValueError
-    naming ``where`` unless every expert's copies sit in the slots that name it."""
-    if isinstance(value, Placement):
-        value = placement_plain(value)
+    """The slot map ``placement_plain`` gave (or a Placement itself, as earlier versions kept
+    it), rebuilt and checked by ``placement_from_values``: ValueError naming ``where``."""
     try:
-        E, X, ep = (int(value[k]) for k in ("num_experts", "redundant_experts", "ep_size"))
-        check_placement_args(list(value["loads"]), E, X, ep)
-        slots = tuple(tuple(int(g) for g in held) for held in value["slots"])
-        copies = tuple(tuple(Copy(int(r), int(i), float(share)) for r, i, share in cs) for cs in value["copies"])
-    except (KeyError, TypeError, ValueError) as e:
+        if isinstance(value, Placement):
+            value = placement_plain(value)
+        return placement_from_values(list(value["loads"]), int(value["num_experts"]), int(value["redundant_experts"]),
+                                     int(value["ep_size"]), list(value["values"]))
+    except (KeyError, TypeError, ValueError, IndexError) as e:
         raise ValueError(f"{where}: not a slot map ({type(e).__name__}: {e})") from None
-    per_rank = (E + X) // ep
-    if len(slots) != ep or any(len(held) != per_rank for held in slots) or len(copies) != E:
-        raise ValueError(f"{where}: a slot map for E={E}, X={X}, ep={ep} needs {ep} ranks of {per_rank} "
-                         f"slots and {E} experts' copies")
-    for g, cs in enumerate(copies):
-        if not cs or any(not (0 <= c.rank < ep and 0 <= c.slot < per_rank) or slots[c.rank][c.slot] != g
-                         or not c.share >= 0 for c in cs):
-            raise ValueError(f"{where}: expert {g}'s copies {cs} do not match the slots that hold it")
-    if sum(len(cs) for cs in copies) != E + X:
-        raise ValueError(f"{where}: {sum(len(cs) for cs in copies)} copies for {E + X} slots")
-    return Placement(E, X, ep, tuple(float(v) for v in value["loads"]), slots, copies)
 
 
 def placement_state(model: nn.Module) -> dict:
