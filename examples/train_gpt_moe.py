@@ -228,12 +228,14 @@ def train(args) -> dict:
                "comm_seconds": {}, "compute_seconds": 0.0}
     start = 0
     if path := _resume_path(args, ckpt_dir):
-        # Model, optimizer (its lr included), metrics and every RNG stream; the data and the
-        # lr schedule are functions of the step.
+        # Model, optimizer (its lr included), metrics, every RNG stream, every MoE layer's
+        # counters and slot maps (re-planned at another --ep or --redundant-experts); the data
+        # and the lr schedule are functions of the step.
         extra = checkpoint.load(path, model, opt, extra_keys=("step", "metrics"), state=state, rng=True)
         start, metrics = extra["step"], extra["metrics"]
         metrics["resumed_at"] = start
-        moepar.load_placement_state(model, metrics.get("replicas"))
+        # Checkpoints of earlier versions kept the slot maps here instead.
+        moepar.load_placement_state(model, metrics.pop("replicas", None))
         log(f"resumed from {path} (step {start})")
     all_events: list[comm.CommEvent] = []
     rows_in = _watch_expert_rows(model)  # rows each MoE layer's experts got (the report's routing input)
@@ -305,11 +307,9 @@ def train(args) -> dict:
                 f"allreduce {by_op['all_reduce']:.0f} allgather+rs {by_op['all_gather'] + by_op['reduce_scatter']:.0f}"
                 f" compute {(dt - events.seconds()) * 1e3:.0f}")
         if args.checkpoint_every and (step + 1) % args.checkpoint_every == 0 and step + 1 < args.steps:
-            metrics["replicas"] = moepar.placement_state(model)
             checkpoint.save_checkpoint(ckpt_dir, step + 1, model, opt, {"metrics": metrics}, state)
     metrics["wall_seconds"] = time.perf_counter() - t_start
     if args.steps > start:
-        metrics["replicas"] = moepar.placement_state(model)
         # (under --deepspeed the optimizer state is DeepSpeed's: the weights alone)
         checkpoint.save_checkpoint(ckpt_dir, args.steps, model, opt if engine is None else None,
                                    {"metrics": metrics}, state)

@@ -40,8 +40,9 @@ __all__ = ["MoE", "MoEConfig", "RouterConfig", "ExchangeConfig", "HFOptions", "M
            "VocabParallelEmbedding", "allreduce_gradients", "clip_grad_norm_", "grad_norm", "destroy_parallel", "fully_shard",
            "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "Pipeline", "release_cpu_buffers",
            "cpu_buffer_stats", "init_distributed", "CollectiveError"]
-# The subpackages an eager import used to leave set as attributes (moepar.moe.cpu, ...).
-__getattr__, __dir__ = _attach(__name__, _NAMES, submodules=("moe", "parallel", "tables"))
+# The subpackages an eager import used to leave set as attributes (moepar.moe.cpu, ...), and
+# moepar.checkpoint, which the README calls as ``moepar.checkpoint.save(...)``.
+__getattr__, __dir__ = _attach(__name__, _NAMES, submodules=("moe", "parallel", "tables", "checkpoint"))
 
 if "torch" in _sys.modules:
     # moepar.parallel.groups imports torch.distributed.nn, which must happen before any process

@@ -160,25 +160,99 @@ def remote_slots(placement: Placement) -> int:
     return sum(1 for r, held in enumerate(placement.slots) for g in held if g // L != r)
 
 
+def named_moe_layers(model: nn.Module):
+    """(name, layer) of every moepar MoE layer of ``model``, under the name it has in the
+    whole model: a rank holding several pipeline stages (``StageChunks``) names its layers
+    without the chunk prefix, as it names their parameters."""
+    from ..parallel.pipeline import StageChunks
+    for part in (model.chunks if isinstance(model, StageChunks) else [model]):
+        for name, m in part.named_modules():
+            if isinstance(m, MoE):
+                yield name, m
+
+
+def placement_plain(placement: Placement) -> dict:
+    """A slot map as plain values (numbers and lists, ``placement_values``' form), what a
+    checkpoint may hold."""
+    return {"num_experts": placement.num_experts, "redundant_experts": placement.redundant_experts,
+            "ep_size": placement.ep_size, "loads": list(placement.loads), "values": placement_values(placement)}
+
+
+def placement_of(value, where: str) -> Placement:
+    """The slot map ``placement_plain`` gave (or a Placement itself, as earlier versions kept
+    it), rebuilt and checked by ``placement_from_values``: ValueError naming ``where``."""
+    try:
+        if isinstance(value, Placement):
+            value = placement_plain(value)
+        return placement_from_values(list(value["loads"]), int(value["num_experts"]), int(value["redundant_experts"]),
+                                     int(value["ep_size"]), list(value["values"]))
+    except (KeyError, TypeError, ValueError, IndexError) as e:
+        raise ValueError(f"{where}: not a slot map ({type(e).__name__}: {e})") from None
+
+
 def placement_state(model: nn.Module) -> dict:
-    """{layer name: (slot map, routes counted since the last rebalance as a list or None, the
-    load the map was planned from or None)}
-    for every replicated MoE layer: plain picklable values to keep beside a checkpoint (which
-    stores the logical experts alone), so that a resumed run places and rebalances as the
-    uninterrupted one. One host read per layer."""
+    """{layer name: (slot map, routes counted on this rank since the last rebalance as a list
+    or None, the load the map was planned from or None)} for every replicated MoE layer of
+    ``model``, in plain values (the slot map as ``placement_plain`` writes it), so that it
+    may travel in a checkpoint's ``extra``. ``moepar.checkpoint.save`` keeps the same state
+    by itself (slot maps per layer, counted routes per rank), so a resumed run places and
+    rebalances as the uninterrupted one. One host read per layer."""
     out = {}
-    for name, m in model.named_modules():
-        if isinstance(m, MoE) and m.replicas is not None:
+    for name, m in named_moe_layers(model):
+        if m.replicas is not None:
             loads = m.replicas.loads_E
-            out[name] = (m.placement, None if loads is None else loads.tolist(), m.replicas.planned_loads)
+            out[name] = (placement_plain(m.placement), None if loads is None else loads.tolist(),
+                         None if m.replicas.planned_loads is None else list(m.replicas.planned_loads))
     return out
 
 
 def load_placement_state(model: nn.Module, saved: dict | None) -> None:
-    """Put back what ``placement_state`` returned (layers it does not name keep theirs)."""
-    for name, m in model.named_modules():
-        if saved and name in saved and isinstance(m, MoE) and m.replicas is not None:
-            placement, loads, planned = saved[name]
-            m.replicas.set_placement(placement)
-            m.replicas.planned_loads = planned
-            m.replicas.loads_E = None if loads is None else torch.tensor(loads, device=m.router.weight.device)
+    """Put back what ``placement_state`` returned (also its earlier form, with Placement
+    objects); layers it does not name keep theirs. A layer saved at another ``ep_size`` or
+    ``redundant_experts`` is re-planned (``plan_placement``) from the load its map was planned
+    from, or for uniform load if it was never rebalanced. Every layer is checked before any
+    changes: a ValueError naming the layer (another expert count, a malformed entry) leaves
+    the model as it was."""
+    for m, placement, loads, planned in prepare_placements(model, saved):
+        apply_placement(m, placement, loads, planned)
+
+
+def prepare_placements(model: nn.Module, saved: dict | None) -> list:
+    """``load_placement_state``'s checks and re-plans, changing nothing: [(layer, slot map,
+    counted routes or None, planned load or None)] to hand to ``apply_placement``."""
+    out = []
+    for name, m in named_moe_layers(model):
+        entry = None if not saved else saved.get(name)
+        if entry is None or m.replicas is None:
+            continue
+        where = f"the placement state of layer {name!r}"
+        if isinstance(entry, dict):
+            entry = (entry.get("placement"), entry.get("loads"), entry.get("planned"))
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+            raise ValueError(f"{where}: expected (slot map, counted routes, planned load), got {entry!r:.80}")
+        placement, loads, planned = placement_of(entry[0], where), entry[1], entry[2]
+        rep = m.replicas
+        if placement.num_experts != rep.num_experts:
+            raise ValueError(f"{where}: a slot map of E={placement.num_experts} experts, but the layer has "
+                             f"E={rep.num_experts}: the state of another model")
+        for what, v in (("counted routes", loads), ("planned load", planned)):
+            if v is not None:
+                check_placement_args(v, rep.num_experts, 0, 1)   # E finite numbers >= 0
+                if what == "counted routes" and any(float(x) != int(x) for x in v):
+                    raise ValueError(f"{where}: counted routes {list(v)[:4]}... must be whole numbers")
+        if (placement.redundant_experts, placement.ep_size) != (rep.redundant_experts, rep.ep_size):
+            # Saved at another layout: the plan rebalance would make from the same load.
+            placement = plan_placement(planned if planned is not None else [1.0] * rep.num_experts,
+                                       rep.num_experts, rep.redundant_experts, rep.ep_size, owner_slack=OWNER_SLACK)
+        out.append((m, placement, None if loads is None else [int(x) for x in loads],
+                    None if planned is None else list(planned)))
+    return out
+
+
+def apply_placement(m: MoE, placement: Placement, loads: list | None, planned: list | None) -> None:
+    """Use ``placement`` in layer ``m`` from its next forward, with ``loads`` as the routes
+    counted since the last rebalance and ``planned`` as the load the map was made from."""
+    m.replicas.set_placement(placement)
+    m.replicas.planned_loads = planned
+    m.replicas.loads_E = None if loads is None else torch.tensor(loads, dtype=torch.int64,
+                                                                 device=m.router.weight.device)
