@@ -436,7 +436,7 @@ def _drop_references() -> None:
     if state is not None:
         state.groups.clear()
         state.meshes.clear()
-        for cached in ("moe_topology", "moe_topology_sp"):   # they hold the groups too
+        for cached in ("_moe_topology", "_moe_topology_sp"):   # they hold the groups too
             state.__dict__.pop(cached, None)
     _unpin_default_groups()
     gc.collect()
