@@ -474,16 +474,19 @@ def permute_routes(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, dropped_TK: 
 
 
 def unpermute(y_ND: torch.Tensor, row_map_TK: torch.Tensor, weights_TK: Optional[torch.Tensor],
-              num_tokens: int, *, impl: str = "auto", route_N: Optional[torch.Tensor] = None) -> torch.Tensor:
+              num_tokens: int, *, impl: str = "auto", route_N: Optional[torch.Tensor] = None,
+              checked: bool = False) -> torch.Tensor:
     """Weighted sum of each token's expert rows: ``y_TD[t] = sum_k w[t,k] * y_ND[row_map[t,k]]``.
 
     fp32 accumulation, result in y_ND's dtype; routes with ``row_map -1`` contribute
     nothing, rows no route maps to (capacity padding) are ignored. ``weights_TK=None``
     means weight 1. Differentiable w.r.t. ``y_ND`` and ``weights_TK`` (grad in its dtype).
     ``route_N``: the route of each row, as ``permute_routes`` returned it: the backward then
-    needs no inverse of ``row_map_TK``.
+    needs no inverse of ``row_map_TK``. ``checked``: the arguments come from ``permute`` and
+    the caller's own exchange (the MoE layer's combine), valid by construction: not checked.
     """
-    if impl not in IMPLS:
-        raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
-    check_unpermute_args(y_ND, row_map_TK, weights_TK, num_tokens)
+    if not checked:
+        if impl not in IMPLS:
+            raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
+        check_unpermute_args(y_ND, row_map_TK, weights_TK, num_tokens)
     return _unpermute_call(y_ND, row_map_TK, weights_TK, int(num_tokens), impl, route_N)

@@ -6,7 +6,7 @@ scale blocks per row, V = D + 4·Q bytes per packed row.
 
 ``permute_quantize(x_TD, route_N, K)`` returns ``packed_NV`` (uint8): row n holds the
 float8_e4m3fn values of token ``route_N[n] // K``, then the Q fp32 scales' bytes
-(little-endian), the wire format ``moepar.moe.fp8`` sends and unpacks. One kernel pass
+(little-endian), the wire format ``moepar.moe.exchange.fp8`` sends and unpacks. One kernel pass
 reads each routed token row once and writes its FP8 row and scales in expert-major order;
 the unquantized permuted rows are never materialized.
 
@@ -214,7 +214,7 @@ def _permute_quantize(x_TD: torch.Tensor, route_N: torch.Tensor, K: int) -> torc
 def permute_quantize(x_TD: torch.Tensor, route_N: torch.Tensor, K: int, *, impl: str = "auto") -> torch.Tensor:
     """``packed_NV`` (uint8, on x's device): row n the FP8 row and scales of token
     ``route_N[n] // K`` (zeros and scale 1 where ``route_N[n] < 0``). Not differentiable:
-    the FP8 dispatch passes the gradient straight through (``moepar.moe.fp8``)."""
+    the FP8 dispatch passes the gradient straight through (``moepar.moe.exchange.fp8``)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} must be one of {IMPLS}")
     if x_TD.dim() != 2 or route_N.dim() != 1:

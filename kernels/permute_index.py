@@ -68,12 +68,19 @@ def route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
         row_map_R = torch.empty_like(order_R).index_copy_(0, order_R, torch.arange(R, device=dev))
         return counts_E, row_map_R.view(T, K), order_R
     row_map_R = torch.full((R,), -1, dtype=torch.int64, device=dev)
-    if capacity is None:
-        route_N = order_R[:num_rows]
-        row_map_R.index_copy_(0, route_N, torch.arange(num_rows, device=dev))
+    if capacity is not None:
+        route_N = _capacity_slots(key_R, order_R, hist, row_map_R, E, capacity)
         return counts_E, row_map_R.view(T, K), route_N
-    # Route at sorted position i of expert e goes to slot e*C + (i - start_e); the dropped
-    # and bad routes to private slots past the E*C rows (their count is not known here).
+    route_N = order_R[:num_rows]
+    row_map_R.index_copy_(0, route_N, torch.arange(num_rows, device=dev))
+    return counts_E, row_map_R.view(T, K), route_N
+
+
+def _capacity_slots(key_R, order_R, hist, row_map_R, E: int, capacity: int) -> torch.Tensor:
+    """Padded capacity mode: the route at sorted position i of expert e goes to slot
+    e*C + (i - start_e); the dropped and bad routes to private slots past the E*C rows (their
+    count is not known here). Fills ``row_map_R``; returns route_N [E*C]."""
+    R, dev = key_R.shape[0], key_R.device
     start = torch.cumsum(hist, 0) - hist
     key_sorted = key_R.index_select(0, order_R)
     pos = torch.arange(R, device=dev)
@@ -81,7 +88,7 @@ def route_index(expert_ids_TK: torch.Tensor, dropped_TK: Optional[torch.Tensor],
     slot = torch.where(kept, key_sorted * capacity + pos - start.index_select(0, key_sorted), E * capacity + pos)
     route_N = torch.full((E * capacity + R,), -1, dtype=torch.int64, device=dev).index_copy_(0, slot, order_R)
     row_map_R.index_copy_(0, order_R, torch.where(kept, slot, -1))
-    return counts_E, row_map_R.view(T, K), route_N[:E * capacity]
+    return route_N[:E * capacity]
 
 
 def inverse_row_map(row_map_TK: torch.Tensor, num_rows: int) -> torch.Tensor:

@@ -397,7 +397,7 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
                       topk_groups: int | None = None, group_topn: int | None = None,
                       selection_noise_TE: Optional[torch.Tensor] = None,
                       scores_TE: Optional[torch.Tensor] = None, bad_T: Optional[torch.Tensor] = None,
-                      ids_TK: Optional[torch.Tensor] = None,
+                      ids_TK: Optional[torch.Tensor] = None, checked: bool = False,
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Plain-torch routing with the kernel's semantics (autograd through the weights).
 
@@ -408,9 +408,11 @@ def routing_reference(logits_TE: torch.Tensor, k: int, score_func: str = "softma
     A caller that already has them may pass ``scores_TE`` (softmax or sigmoid of the fp32
     logits, in the autograd graph; not for softmax_after_topk) and ``bad_T`` (the rows with a
     non-finite logit) to save recomputing them. ``ids_TK`` [T, k]: the selection, given (a
-    recompute replaying its forward's routing): only the weights are computed.
+    recompute replaying its forward's routing): only the weights are computed. ``checked``:
+    the caller validated the arguments once (the router, at construction).
     """
-    _check(logits_TE, k, score_func, expert_bias_E)
+    if not checked:   # the router validated its options once, at construction
+        _check(logits_TE, k, score_func, expert_bias_E)
     x = logits_TE.float()
     T, E = x.shape
     bad_T = nonfinite_rows(x) if bad_T is None else bad_T

@@ -22,11 +22,11 @@ __version__ = "0.1.0"
 _NAMES = {
     "MoE": ".moe.layer", "MoEStats": ".moe.stats", "aux_loss": ".moe.layer",
     "MoEConfig": ".moe.config", "ExchangeConfig": ".moe.config", "HFOptions": ".moe.config",
-    "RouterConfig": ".moe.config", "Routing": ".moe.router", "TopKRouter": ".moe.router",
-    "GroupedExperts": ".moe.experts",
+    "RouterConfig": ".moe.config", "Routing": ".moe.routing.router", "TopKRouter": ".moe.routing.router",
+    "GroupedExperts": ".moe.experts.grouped",
     "LoadReport": ".moe.load_report", "load_report": ".moe.load_report",
-    "rebalance": ".moe.rebalance", "Rebalanced": ".moe.rebalance", "placement_state": ".moe.rebalance",
-    "load_placement_state": ".moe.rebalance",
+    **{name: ".moe.replication.rebalance" for name in (
+        "rebalance", "Rebalanced", "placement_state", "load_placement_state")},
     "release_cpu_buffers": ".moe.cpu:release", "cpu_buffer_stats": ".moe.cpu:stats",
     **{name: ".parallel" for name in (
         "ColumnParallelLinear", "ParallelState", "RowParallelLinear", "VocabParallelEmbedding",
@@ -41,8 +41,9 @@ __all__ = ["MoE", "MoEConfig", "RouterConfig", "ExchangeConfig", "HFOptions", "M
            "get_parallel_state", "init_parallel", "vocab_parallel_cross_entropy", "Pipeline", "release_cpu_buffers",
            "cpu_buffer_stats", "init_distributed", "CollectiveError"]
 # The subpackages an eager import used to leave set as attributes (moepar.moe.cpu, ...), and
-# moepar.checkpoint, which the README calls as ``moepar.checkpoint.save(...)``.
-__getattr__, __dir__ = _attach(__name__, _NAMES, submodules=("moe", "parallel", "tables", "checkpoint"))
+# those the README calls by attribute (``moepar.checkpoint.save(...)``, ``moepar.cost``,
+# ``moepar.hf``), each imported on first use.
+__getattr__, __dir__ = _attach(__name__, _NAMES, submodules=("moe", "parallel", "tables", "checkpoint", "cost", "hf"))
 
 if "torch" in _sys.modules:
     # moepar.parallel.groups imports torch.distributed.nn, which must happen before any process

@@ -25,7 +25,7 @@ sys.path.insert(0, ROOT)
 
 import moepar  # noqa: E402
 from moepar import checkpoint  # noqa: E402
-from moepar.moe import fp8  # noqa: E402
+from moepar.moe.exchange import fp8  # noqa: E402
 
 
 def _quantized_rows(module, args):

@@ -60,7 +60,7 @@ from moepar.bench.common import grad_step, keep_freed_memory
 from moepar.bench.layer import parse_config, skew_input_shift, zipf_input_shift
 from moepar.bench.local import machine, random_routes
 from moepar.bench.peers import DeepSpeedMoE, deepspeed_status
-from moepar.moe.dedup import dedup_expand, dedup_send
+from moepar.moe.exchange.dedup import dedup_expand, dedup_send
 from moepar.moe.layer import MoE
 from moepar.parallel import destroy_parallel, groups
 from moepar_kernels.permute import permute, unpermute

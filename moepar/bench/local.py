@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from moepar.tables import format_table
 from moepar.bench.common import matmul_gflops, median, sync
-from moepar.moe.experts import GroupedExperts
+from moepar.moe.experts.grouped import GroupedExperts
 from moepar_kernels.permute import permute, unpermute
 
 # name -> (T, D, F, E, K, ratio limit on the 2-core CPU in fp32)

@@ -226,7 +226,7 @@ class TorchTitanMoE(nn.Module):
         from torchtitan.models.common.linear import Linear
         from torchtitan.models.common.moe import MoE, GroupedExperts, RoutedExperts, TokenChoiceTopKRouter
         from torchtitan.models.common.token_dispatcher import LocalTokenDispatcher
-        from moepar.moe.router import normalizes
+        from moepar.moe.routing.router import normalizes
         r, ex = moe.router.config, moe.experts
         D, E, F_, K = moe.hidden, moe.num_experts, ex.ffn_hidden, moe.k
         router = TokenChoiceTopKRouter.Config(

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from ..moe.rebalance import named_moe_layers, placement_plain
+from ..moe.replication.rebalance import named_moe_layers, placement_plain
 from ..parallel.groups import ParallelState
 from .layout import layout_name
 

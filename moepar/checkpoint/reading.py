@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import nn
 
-from ..moe.rebalance import apply_placement, named_moe_layers, prepare_placements
+from ..moe.replication.rebalance import apply_placement, named_moe_layers, prepare_placements
 from ..parallel.groups import ParallelState
 from . import optim as _optim
 from . import ranks

@@ -125,13 +125,14 @@ def _load_storage_weights_only(data: bytes):
 
 
 def _legacy_classes() -> dict:
-    from ..moe import placement
+    from ..moe.replication import placement
     allowed = {("collections", "OrderedDict"): collections.OrderedDict,
                ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
                ("torch.storage", "_load_from_bytes"): _load_storage_weights_only,
                ("torch", "Size"): torch.Size,
-               ("moepar.moe.placement", "Placement"): placement.Placement,
-               ("moepar.moe.placement", "Copy"): placement.Copy}
+               # the earlier format pickled the slot maps under their module of the time
+               **{(module, cls): getattr(placement, cls) for module in (
+                   "moepar.moe.placement", "moepar.moe.replication.placement") for cls in ("Placement", "Copy")}}
     allowed.update({("torch", name): v for name, v in _torch_dtypes().items()})
     try:   # NumPy's generator state (an array): data constructors only; an object array's
         import numpy   # elements are unpickled through find_class like everything else

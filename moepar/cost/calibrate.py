@@ -340,7 +340,7 @@ def row_pass_fn(nbytes: int, dtype: torch.dtype, dev: torch.device) -> Callable[
     experts, and the weighted unpermute (scatter-combine); uniform random top-K routing."""
     from moepar_kernels.permute import permute, unpermute
 
-    from ..moe.exchange import regroup_index
+    from ..moe.exchange.rows import regroup_index
     elem = torch.empty((), dtype=dtype).element_size()
     T = max(1, nbytes // (ROW_PASS_K * ROW_PASS_D * elem))
     gen = torch.Generator().manual_seed(T)

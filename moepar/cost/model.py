@@ -64,7 +64,7 @@ class MoESpec:
     seq_len: int | None = None             # adds 12·n_l·seq·D attention-score FLOPs per token
     imbalance: float = 1.0                 # max/mean routes over EP ranks
     # -- expert replication (moepar.cost.replication): R extra slots per EP group, planned by
-    # moepar.moe.placement from per-expert loads (None: uniform); with either, the imbalance
+    # moepar.moe.replication.placement from per-expert loads (None: uniform); with either, the imbalance
     # is the plan's on each layout's ep, so ``imbalance`` must stay 1 --
     redundant_experts: int = 0
     expert_loads: tuple[float, ...] | None = None

@@ -1,7 +1,7 @@
 """Pricing expert replication (``MoE(..., redundant_experts=X)``): the plan, its traffic, memory.
 
 Torch-free. The layer gives each EP group E + X expert slots, (E + X)/ep per rank,
-laid out by ``moepar.moe.placement.plan_placement`` from per-expert loads. Ownership never
+laid out by ``moepar.moe.replication.placement.plan_placement`` from per-expert loads. Ownership never
 moves: expert e's parameters stay on its home EP rank e // (E/ep); a slot holding e on another
 rank is a remote copy. What that costs and buys, per MoE layer and micro-batch:
 
@@ -31,7 +31,7 @@ import functools
 import math
 from typing import Sequence
 
-from ..moe.placement import Placement, check_placement_args, plan_placement, zipf_loads
+from ..moe.replication.placement import Placement, check_placement_args, plan_placement, zipf_loads
 
 __all__ = ["ReplicaPlan", "replica_plan", "replica_sent", "replica_received", "replica_copies_per_forward",
            "expert_slice_params", "receive_cap_drops", "zipf_loads"]
@@ -109,7 +109,7 @@ def replica_plan(spec, layout) -> ReplicaPlan:
 def receive_cap_drops(loads: Sequence[float], ep: int, factor: float) -> float:
     """Fraction of the EP group's routes the receive guard (``receive_capacity_factor`` f)
     drops at X = 0, expected from per-expert ``loads``: every rank over cap = f x mean keeps
-    the cap (``moepar.moe.guard``; its ceil is below one route here)."""
+    the cap (``moepar.moe.exchange.guard``; its ceil is below one route here)."""
     E = len(loads)
     per = [math.fsum(loads[r * (E // ep):(r + 1) * (E // ep)]) for r in range(ep)]
     total = math.fsum(per)

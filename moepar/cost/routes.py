@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ..moe.dedup_policy import DEDUP_MAX_FRACTION   # the layer's "auto" threshold, priced as it decides
+from ..moe.exchange.dedup_policy import DEDUP_MAX_FRACTION   # the layer's "auto" threshold, priced as it decides
 from .model import CostLayout, MoESpec
 
 

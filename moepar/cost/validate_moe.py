@@ -18,7 +18,7 @@ import torch
 
 from ..moe.traffic import message_bytes
 from ..moe.config import MoEConfig, RouterConfig
-from ..moe.dispatcher import Dispatcher
+from ..moe.exchange.dispatcher import Dispatcher
 from .calibrate import row_pass_seconds
 from .validate import Row, ValidationContext, register_row_source
 

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moepar.moe.layer import MoE
-from moepar.moe.recompute import rng_replayed
+from moepar.moe.routing.recompute import rng_replayed
 
 from . import names
 from .families import Family

@@ -49,7 +49,7 @@ def _need(config, name):
 
 
 # transformers' activation names (ACT2FN) -> moepar's elementwise function of the same formula
-# (moepar.moe.activations.ELEMENTWISE). prelu and xielu are left out: they hold learnable
+# (moepar.moe.experts.activations.ELEMENTWISE). prelu and xielu are left out: they hold learnable
 # parameters, which moepar's experts do not have.
 HF_ACTIVATIONS = {
     "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_python": "gelu", "gelu_pytorch_tanh": "gelu_tanh",

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moepar.moe.experts import _expert_seed
+from moepar.moe.experts.grouped import _expert_seed
 from moepar.parallel.fsdp import copy_local
 
 from . import families

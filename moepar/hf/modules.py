@@ -35,12 +35,12 @@ import torch
 from torch import nn
 
 from moepar.moe import cpu
-from moepar.moe.activations import GATED
-from moepar.moe.experts import GroupedExperts
+from moepar.moe.experts.activations import GATED
+from moepar.moe.experts.grouped import GroupedExperts
 from moepar.moe.layer import MoE
 from moepar.moe.layer_options import SharedExperts
 from moepar.parallel.fsdp import copy_local
-from moepar.moe.router import TopKRouter
+from moepar.moe.routing.router import TopKRouter
 
 from . import families, views
 

@@ -5,7 +5,7 @@ them; nothing validates them again).
 ``MoE(hidden, num_experts, ep_size, config=None, **options)`` only fills these objects: each
 keyword option is routed by name, to ``MoEConfig`` when it is one of its own fields, else to
 the nested group that has it (``GROUPS``; the router options' meaning is in
-``moepar.moe.router.TopKRouter``), else it is refused with the list of valid names. A new
+``moepar.moe.routing.router.TopKRouter``), else it is refused with the list of valid names. A new
 field of a group therefore works through ``MoE(...)`` with no edit here. A name the layer
 and a group both have (``bias``: the experts' FFN biases here, the gate's in the router)
 goes to the layer; set the router's through ``MoEConfig(router=RouterConfig(...))``.
@@ -18,9 +18,9 @@ from typing import Any, Optional
 import torch
 
 from .. import checks
-from .activations import ACTIVATIONS
-from .experts_fn import GEMM_PATHS
-from .guard import check_receive_capacity_factor
+from .experts.activations import ACTIVATIONS
+from .experts.function import GEMM_PATHS
+from .exchange.guard import check_receive_capacity_factor
 from moepar_kernels import routing as _rk
 
 SCORE_FUNCS = ("softmax", "softmax_after_topk", "sigmoid")
@@ -177,7 +177,7 @@ class ExchangeConfig:
     (``MoEConfig.exchange``; the dispatcher's options).
 
     dedup: "off" | "auto" | "on": one token row per destination EP rank instead of one per
-        route (``moepar.moe.dedup``); "auto" uses it when the EP group's rows are at most
+        route (``moepar.moe.exchange.dedup``); "auto" uses it when the EP group's rows are at most
         ``DEDUP_MAX_FRACTION`` of its routes (measured there).
     cpu_source_major: opt-in, for CPU training over gloo: leave the received token rows
         source-major instead of regrouping them by expert (``moepar.moe.cpu``; the EP group
@@ -189,7 +189,7 @@ class ExchangeConfig:
         flight (False: after the combine; the same numbers either way).
     dispatch_dtype: None (the rows cross the dispatch all-to-all in the compute dtype) or
         "fp8": float8_e4m3fn with one fp32 scale per 128 channels, dequantized on arrival;
-        the combine and the backward stay in the compute dtype (``moepar.moe.fp8``).
+        the combine and the backward stay in the compute dtype (``moepar.moe.exchange.fp8``).
     combine_grad_dtype: None (the backward's gradient of the combined rows goes back to the
         experts' ranks in the compute dtype) or "fp8": quantized as the dispatch's rows are,
         as DeepSeek-V3 does for the gradient entering the down-projection's backward.
@@ -200,10 +200,10 @@ class ExchangeConfig:
         sender drops, per cell, its lowest-weight routes past the share (ties: the later in
         slot-major order). Every rank computes the same quotas from the counts exchange (no
         extra collective); the dropped routes weigh 0 and are counted in ``moe.stats``
-        (``moepar.moe.guard``). Dropless mode only; dedup is used only in steps where the
+        (``moepar.moe.exchange.guard``). Dropless mode only; dedup is used only in steps where the
         guard cuts nothing.
     redundant_experts: R extra expert slots per EP group (default 0), R/ep per rank, holding
-        copies of the hottest experts (``moepar.moe.replicas``): the routes to a replicated
+        copies of the hottest experts (``moepar.moe.replication.replicas``): the routes to a replicated
         expert are split among its copies as the placement planned, the copies' weights come
         from the expert's owner each forward and their gradients go back to it, so the layer
         computes what the unreplicated one does. The slot map starts uniform;
@@ -285,7 +285,7 @@ class MoEConfig:
         ffn_hidden: the experts' F (default 4 * hidden). activation: "gelu" | "swiglu" |
         "relu" | "clamped_swiglu", or one of transformers' elementwise functions by name,
         plain ("gelu_new", "quick_gelu", ...) or gated as "glu_<name>" (``ACTIVATIONS``,
-        ``moepar.moe.activations``). bias: biases in the expert FFNs.
+        ``moepar.moe.experts.activations``). bias: biases in the expert FFNs.
         num_shared_experts, shared_ffn_hidden: a dense FFN every token passes through
         (width shared_ffn_hidden, default ffn_hidden * num_shared_experts), TP-sliced.
         sequence_parallel: x holds this TP rank's own slice of the tokens (otherwise x is
@@ -294,7 +294,7 @@ class MoEConfig:
         aux_loss_scope: "local" (statistics over this replica's batch, DeepSpeed's) or
         "global" (over the whole global batch across data parallelism).
     Computation:
-        gemm_path: "auto" | "grouped_mm" | "loop" | "bmm" (``moepar.moe.experts_fn``).
+        gemm_path: "auto" | "grouped_mm" | "loop" | "bmm" (``moepar.moe.experts.function``).
         recompute_experts: recompute the expert FFNs in backward.
         dtype: expert parameter dtype (default: torch's default dtype).
         init_seed, init_std: weight init (seed drawn from the default RNG when None, the

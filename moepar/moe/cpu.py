@@ -47,7 +47,7 @@ from moepar_kernels import permute as _permute_kernels
 
 # The grouped experts on CPU tensors run in segments of consecutive experts whose [rows, F]
 # intermediates stay under this many bytes (an expert larger than that is a segment of its
-# own; experts_fn.expert_segments). Buffers below glibc's mmap threshold (dynamic, at most
+# own; experts.function.expert_segments). Buffers below glibc's mmap threshold (dynamic, at most
 # 32 MiB) are reused from the heap; larger ones are mapped afresh and every page faults on
 # first touch at every call. CUDA tensors run as one segment (the caching allocator reuses).
 SEGMENT_BYTES = 8 << 20

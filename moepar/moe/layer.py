@@ -19,13 +19,13 @@ from torch import nn
 
 from ..parallel.groups import ParallelState, get_parallel_state
 from .config import MoEConfig, make_config
-from .dispatcher import Dispatcher
-from .experts import ExpertShard, GroupedExperts
+from .exchange.dispatcher import Dispatcher
+from .experts.grouped import ExpertShard, GroupedExperts
 from .layer_options import SharedExperts, routes_as_rows, sum_routes
-from .replicas import Replicas
-from .recompute import LossCell, Record, Replay, attach_losses, in_recompute, keep_scope, tapped
+from .replication.replicas import Replicas
+from .routing.recompute import LossCell, Record, Replay, attach_losses, in_recompute, keep_scope, tapped
 from .stats import MoEStats
-from .router import TopKRouter, input_error as routing_input_error
+from .routing.router import TopKRouter, input_error as routing_input_error
 from .traffic import aux_group_name
 
 
@@ -61,7 +61,7 @@ class MoE(nn.Module):
         shard = ExpertShard(self.num_local_experts, state.ep_rank * self.num_local_experts, self.etp, state.etp_rank)
         self.experts = GroupedExperts(dataclasses.replace(cfg, init_seed=init_seed + 1), shard)
         self.replicas = None
-        if cfg.exchange.redundant_experts:   # E + X slots per EP group (moepar.moe.replicas)
+        if cfg.exchange.redundant_experts:   # E + X slots per EP group (moepar.moe.replication.replicas)
             self.replicas = self.experts.replicas = Replicas(cfg.num_experts, cfg.exchange.redundant_experts,
                                                              cfg.ep_size, state, stats=None)
         self.shared = None
@@ -74,7 +74,7 @@ class MoE(nn.Module):
             self.replicas.stats = self._stats.comm
         self._losses: dict[str, torch.Tensor | None] = {"aux": None, "z": None}
         # Set when the last forward ran under no_grad in training (the reentrant recompute's
-        # forward): the losses are then read through taps (moepar.moe.recompute).
+        # forward): the losses are then read through taps (moepar.moe.routing.recompute).
         self._loss_cell: LossCell | None = None
         self._replay = Replay()
         # The group the router's statistics span, by name (the table's: moepar.moe.traffic).
@@ -122,7 +122,7 @@ class MoE(nn.Module):
 
     @property
     def placement(self):
-        """The slot map in use (``moepar.moe.placement.Placement``), None without replicas."""
+        """The slot map in use (``moepar.moe.replication.placement.Placement``), None without replicas."""
         return None if self.replicas is None else self.replicas.placement
 
     @property
@@ -144,7 +144,7 @@ class MoE(nn.Module):
     def seed_loss_gradient(self, scale: float) -> bool:
         """For a caller that adds this forward's aux and z losses to its loss itself (a
         pipeline stage) when the forward ran without grad inside a reentrant checkpoint: the
-        gradient ``scale`` those losses get, applied by the recompute (moepar.moe.recompute).
+        gradient ``scale`` those losses get, applied by the recompute (moepar.moe.routing.recompute).
         False where this forward kept no record (no checkpoint will recompute it)."""
         cell = self._loss_cell
         if cell is None:
@@ -176,7 +176,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., hidden] -> [..., hidden]``; the steps, each named in docs/moe.md. A call
         from inside a backward is an activation recompute: it routes as its forward did and
-        counts nothing (moepar.moe.recompute)."""
+        counts nothing (moepar.moe.routing.recompute)."""
         traced = torch.compiler.is_compiling()   # a traced graph keeps no Python-side records
         recompute = not traced and in_recompute()
         if not recompute:
@@ -227,7 +227,7 @@ class MoE(nn.Module):
 
     def _keep_routing(self, routing, x_TD: torch.Tensor, scope, replayed: Record | None, recompute: bool):
         """Keep this training forward's routing where its recompute will find it
-        (moepar.moe.recompute); kept on a reentrant checkpoint's node (a no_grad forward),
+        (moepar.moe.routing.recompute); kept on a reentrant checkpoint's node (a no_grad forward),
         with a cell that will carry its losses' gradient: the replayed forward's own cell
         when this is a recompute inside another (nested checkpoints)."""
         graph = scope == "graph"

@@ -25,7 +25,7 @@ from ..parallel import comm
 from ..parallel.fsdp import copy_local
 from ..parallel.groups import ParallelState
 from ..parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from .activations import GATED, Elementwise
+from .experts.activations import GATED, Elementwise
 
 
 def routes_as_rows(x_TD: torch.Tensor, expert_ids_TK: torch.Tensor, weights_TK: torch.Tensor,

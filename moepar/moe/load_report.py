@@ -8,7 +8,7 @@ from torch import nn
 
 from ..tables import format_table
 from .layer import MoE
-from .replicas import local_order
+from .replication.replicas import local_order
 
 COLUMNS = ("layer", "expert_overload", "rank_overload", "unreplicated_overload", "dropped_fraction",
            "receive_cap", "max_received", "guard_dropped")

@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from ..parallel import comm
-from .guard import GroupLoad
+from .exchange.guard import GroupLoad
 
 
 @dataclasses.dataclass
@@ -18,7 +18,7 @@ class MoEStats:
     routes: int = 0                                 # T*K routes the router produced
     dropped: torch.Tensor | None = None             # scalar: routes dropped for capacity + by the receive guard
     comm: comm.CommStats = dataclasses.field(default_factory=comm.CommStats)
-    # The EP group's load from the counts exchange (moepar.moe.guard.GroupLoad; None in
+    # The EP group's load from the counts exchange (moepar.moe.exchange.guard.GroupLoad; None in
     # padded capacity mode): overload factors, the receive guard's cap and drops.
     load: GroupLoad | None = None
     capacity_dropped: torch.Tensor | None = None    # scalar: the router's capacity drops alone

@@ -34,7 +34,7 @@ import math
 
 FP32_BYTES = 4
 INT64_BYTES = 8
-FP8_BLOCK = 128   # channels per fp32 scale of an FP8 row (moepar.moe.fp8)
+FP8_BLOCK = 128   # channels per fp32 scale of an FP8 row (moepar.moe.exchange.fp8)
 
 # ---- the counts row (the dispatcher's first collective) ------------------------------------
 

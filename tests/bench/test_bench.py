@@ -245,8 +245,9 @@ def test_router_cpu_path_ties_go_to_the_lower_index(E, k):
 @pytest.mark.parametrize("activation,bias", [("gelu", False), ("swiglu", True), ("relu", True)])
 @pytest.mark.parametrize("path", ["loop", "grouped_mm", "bmm"])
 def test_experts_in_many_segments_match_per_expert_autograd(monkeypatch, activation, bias, path):
-    from moepar.moe import cpu, experts_fn
-    from moepar.moe.experts import GroupedExperts
+    from moepar.moe import cpu
+    from moepar.moe.experts import function as experts_fn
+    from moepar.moe.experts.grouped import GroupedExperts
     monkeypatch.setattr(cpu, "SEGMENT_BYTES", 1)    # every expert a segment of its own
     counts = [3, 0, 7, 1, 0, 5]
     m = GroupedExperts(6, 8, 16, activation, bias, init_seed=3, gemm_path=path)

@@ -55,7 +55,7 @@ def test_torch_free_modules_import_without_torch():
     # What the cost model reads from the layer's side: the layout arithmetic, the counts
     # message and the dedup threshold (one definition each, shared with the layer).
     code = ("import sys, moepar, moepar.cost, moepar.cost.cli, moepar.parallel.layout, "
-            "moepar.moe.traffic, moepar.moe.dedup_policy; "
+            "moepar.moe.traffic, moepar.moe.exchange.dedup_policy; "
             f"print([m for m in {HEAVY!r} if m in sys.modules])")
     r = _python("-c", code)
     assert r.returncode == 0, r.stderr
@@ -78,8 +78,8 @@ from moepar.moe.layer import MoE as layer_MoE
 from moepar.moe.cpu import release
 from moepar.parallel.groups import Layout
 from moepar.parallel.layout import Layout as torch_free_Layout
-from moepar.moe.dedup import DEDUP_MAX_FRACTION
-from moepar.moe.dedup_policy import DEDUP_MAX_FRACTION as policy_fraction
+from moepar.moe.exchange.dedup import DEDUP_MAX_FRACTION
+from moepar.moe.exchange.dedup_policy import DEDUP_MAX_FRACTION as policy_fraction
 assert MoE is layer_MoE and moepar.release_cpu_buffers is release
 assert Layout is torch_free_Layout is moepar.parallel.Layout
 assert DEDUP_MAX_FRACTION is policy_fraction

@@ -152,7 +152,7 @@ def test_tp_ep_etp_layer_collectives():
     assert "MoE TP gather" not in names and "attention output" not in names
     assert {"attention SP gather", "attention SP scatter", "shared experts SP scatter",
             "aux-loss statistics"} <= names
-    # the router's two reductions (moepar/moe/router.py _losses): E fp32 score sums, E + 1
+    # the router's two reductions (moepar/moe/routing/router.py _losses): E fp32 score sums, E + 1
     # int64 counts (the token count last); the old single 3·E·4 call was not what it issues
     assert [c for c in sp if c.name == "aux-loss statistics"][0].nbytes == 8 * 4
     assert [c for c in sp if c.name == "aux-loss counts"][0].nbytes == 9 * 8
@@ -230,7 +230,7 @@ def test_dedup_matches_the_layer_threshold_and_its_measured_rows():
     # the layer's own row count gives on uniform random top-8 of 64 routes (4096 tokens).
     import torch
     from moepar.cost.routes import DEDUP_MAX_FRACTION, dedup_fraction
-    from moepar.moe import dedup
+    from moepar.moe.exchange import dedup
     assert DEDUP_MAX_FRACTION == dedup.DEDUP_MAX_FRACTION
     ids = torch.rand(4096, 64, generator=torch.Generator().manual_seed(0)).topk(8, dim=1).indices
     spec = MoESpec(hidden=8, ffn=8, experts=64, topk=8, tokens=4096, dedup="on")

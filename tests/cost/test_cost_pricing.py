@@ -53,7 +53,7 @@ def test_fp8_dispatches_fp8_and_combines_bf16():
     lay = CostLayout(16, 8, tp=2, ep=8)
     calls = {(c.name, c.phase): c for c in layer_calls(mixtral(dtype="fp8"), lay, H100)}
     R, D = 4096 // 2 * 2, 4096
-    # FP8 rows out with one fp32 scale per 128 channels, as the layer sends them (moepar.moe.fp8)
+    # FP8 rows out with one fp32 scale per 128 channels, as the layer sends them (moepar.moe.exchange.fp8)
     assert calls[("MoE dispatch", "fwd")].nbytes == R * (D + 4 * D // 128)
     assert calls[("MoE combine grad", "bwd")].nbytes == R * D * 2        # gradients in BF16
     assert calls[("MoE combine", "fwd")].nbytes == R * D * 2             # BF16 back

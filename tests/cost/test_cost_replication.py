@@ -15,7 +15,7 @@ from moepar.cost.routes import imbalance_from_counts, routes_per_rank
 from moepar.cost.replication import (expert_slice_params, receive_cap_drops, replica_copies_per_forward,
                                      replica_plan, replica_received, replica_sent, zipf_loads)
 from moepar.cost.run_report import compare_run
-from moepar.moe.placement import plan_placement
+from moepar.moe.replication.placement import plan_placement
 
 H100 = get_hardware("h100")
 LOADS = (40.0, 3, 2, 1, 9, 1, 1, 1, 12, 2, 2, 2, 5, 5, 5, 5)

@@ -152,13 +152,16 @@ class _Pool:
             raise RankFailure(_format(f"{fn.__name__} failed on ranks {sorted(errors)}", errors))
         return [results[r] for r in range(self.world_size)]
 
-    def close(self, grace: float = 2.0) -> dict[int, int | None]:
-        """Stop the workers; returns {rank: exit code} of those that did not exit 0."""
+    def ask_to_stop(self) -> None:
         for box in self.inboxes:
             try:
                 box.put(None)
             except Exception:
                 pass
+
+    def close(self, grace: float = 2.0) -> dict[int, int | None]:
+        """Stop the workers; returns {rank: exit code} of those that did not exit 0."""
+        self.ask_to_stop()
         deadline = time.monotonic() + grace
         for p in self.procs:
             p.join(timeout=max(deadline - time.monotonic(), 0.1))
@@ -226,6 +229,8 @@ def run_ranks(fn: Callable, world_size: int, *args, timeout: float = DEFAULT_TIM
 
 def close_pools() -> list[str]:
     """Stop the shared pools; returns (and clears) the abnormal exits seen so far."""
+    for pool in _POOLS.values():   # every pool winds down at once, then each is waited for
+        pool.ask_to_stop()
     for (world_size, _), pool in _POOLS.items():
         bad = pool.close(grace=60.0)
         if bad:

@@ -24,7 +24,7 @@ import traceback
 import torch
 
 from moepar.moe.config import MoEConfig, make_config
-from moepar.moe.experts_fn import path_supported
+from moepar.moe.experts.function import path_supported
 
 from . import moe_ref
 from ..moe.test_moe_distributed import compare_layouts

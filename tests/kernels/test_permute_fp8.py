@@ -4,7 +4,7 @@ within e4m3's bound per block; rows of zeros, denormals, huge values and non-fin
 import pytest
 import torch
 
-from moepar.moe import fp8
+from moepar.moe.exchange import fp8
 from moepar_kernels import permute_fp8 as pq
 from moepar_kernels.permute import route_index
 

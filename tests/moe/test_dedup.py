@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from moepar.moe import dedup
+from moepar.moe.exchange import dedup
 from moepar_kernels.permute import unpermute
 
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moepar.moe.experts import GroupedExperts
-from moepar.moe.experts_fn import choose_gemm_path
+from moepar.moe.experts.grouped import GroupedExperts
+from moepar.moe.experts.function import choose_gemm_path
 
 PATHS = ("loop", "grouped_mm", "bmm")
 # torch.nn.functional.grouped_mm is missing from older torch releases (2.8, 2.9): there an

@@ -5,7 +5,7 @@ the accuracy against the compute-dtype dispatch."""
 import pytest
 import torch
 
-from moepar.moe import exchange, fp8
+from moepar.moe.exchange import rows as exchange, fp8
 from moepar.parallel import init_parallel
 
 from ..helpers import moe_ref

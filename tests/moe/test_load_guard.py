@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import moepar
-from moepar.moe import guard
+from moepar.moe.exchange import guard
 from moepar.moe.layer import MoE
 from moepar.parallel import allreduce_gradients, init_parallel
 from moepar.parallel.groups import ParallelState
@@ -19,7 +19,7 @@ from ..helpers.multiproc import run_ranks
 
 # ---- slow references ---------------------------------------------------------------------
 def slow_quotas(load, P, factor):
-    """load: [P][E] lists. The rule of moepar/moe/guard.py, one cell at a time, in Fractions."""
+    """load: [P][E] lists. The rule of moepar/moe/exchange/guard.py, one cell at a time, in Fractions."""
     E = len(load[0])
     L = E // P
     total = sum(map(sum, load))

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moepar.moe.experts import GroupedExperts
+from moepar.moe.experts.grouped import GroupedExperts
 from moepar_kernels.permute import permute, unpermute
 
 

@@ -105,7 +105,8 @@ def _compare_dispatch_path(mode, tp, ep, etp, variants, uneven=False, layer_kw=N
     """compare_layouts with the token exchange forced into one form (``mode``: a _PATHS key, or a
     list of keys, one per rank); returns (source-major used, regroup used, dedup used)
     with compare_layouts's results."""
-    from moepar.moe import cpu, dedup, exchange
+    from moepar.moe import cpu
+    from moepar.moe.exchange import dedup, rows as exchange
     if isinstance(mode, list):
         mode = mode[dist.get_rank()]
     old = (cpu.source_major_segments, exchange.regroup_index, dedup.dedup_send)

@@ -138,8 +138,8 @@ def test_torch_compile_forward_backward_matches_eager_without_graph_breaks(kw):
 
 
 def test_experts_custom_op_passes_opcheck_and_rejects_bad_counts():
-    from moepar.moe.experts_op import experts_fwd
-    from moepar.moe.experts import GroupedExperts
+    from moepar.moe.experts.custom_op import experts_fwd
+    from moepar.moe.experts.grouped import GroupedExperts
     ex = GroupedExperts(3, 8, 16, activation="swiglu", bias=True, init_seed=5)
     x = torch.randn(7, 8, requires_grad=True)
     counts = torch.tensor([3, 0, 4])
@@ -215,3 +215,33 @@ def test_check_finite_raises_on_one_process_too():
     with pytest.raises(ValueError, match="check_finite=True: non-finite values in the MoE layer input"):
         moe(x)
     assert torch.isinf(_layer()(x)[1]).any() or torch.isnan(_layer()(x)[1]).any()
+
+
+def test_the_flat_module_names_still_import_with_a_deprecation_warning():
+    """The modules moved into rooms by step (routing/, exchange/, experts/, replication/);
+    their old names are the same modules, each import warning with the new name."""
+    import importlib
+    import sys
+    import warnings
+    from moepar import moe
+    for old, new in moe.MOVED.items():
+        sys.modules.pop(f"moepar.moe.{old}", None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            module = importlib.import_module(f"moepar.moe.{old}")
+        assert module is importlib.import_module(f"moepar.moe.{new}"), old
+        assert any(issubclass(w.category, DeprecationWarning) and f"moepar.moe.{new}" in str(w.message)
+                   for w in caught), (old, [str(w.message) for w in caught])
+    from moepar.moe.experts import GroupedExperts   # the package keeps the class's old import
+    assert GroupedExperts is moepar.GroupedExperts
+
+
+def test_the_public_names_import_from_their_new_homes_without_a_warning():
+    """``moepar.<name>`` reads each public name from where it lives now, not through an old
+    flat name (which would warn every user on first use), in a fresh process."""
+    import subprocess
+    import sys
+    code = ("import warnings; warnings.simplefilter('error', DeprecationWarning); import moepar; "
+            "[getattr(moepar, n) for n in moepar.__all__]; moepar.cost.report; moepar.hf.__name__")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

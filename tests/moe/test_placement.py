@@ -1,4 +1,4 @@
-"""``moepar.moe.placement``: the expert slot map with redundant copies, and the route split.
+"""``moepar.moe.replication.placement``: the expert slot map with redundant copies, and the route split.
 
 Pure functions, no processes. The greedy is checked against an exhaustive search over every
 slot map on tiny layouts, with each map's best split from the exact min-cut formula: the
@@ -12,8 +12,8 @@ import random
 
 import pytest
 
-from moepar.moe import placement as P
-from moepar.moe.placement import Copy, plan_placement, split_counts, zipf_loads
+from moepar.moe.replication import placement as P
+from moepar.moe.replication.placement import Copy, plan_placement, split_counts, zipf_loads
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -275,7 +275,7 @@ def test_the_docs_table_is_what_the_function_prints(capsys):
     assert printed == P.zipf_table()
     with open(os.path.join(ROOT, "docs", "routing.md")) as f:
         page = f.read()
-    assert printed in page, "docs/routing.md's placement table is stale: rerun python -m moepar.moe.placement"
+    assert printed in page, "docs/routing.md's placement table is stale: rerun python -m moepar.moe.replication.placement"
     # DeepSeek-V3's layout (its row of the docs: --num-experts 256 --ep-size 64 --redundant 0 64 128
     # --ranks-per-node 8); the previous planner stopped at 1.090 for Zipf 2 at X = 64
     big = P.zipf_table(256, 64, (0, 64, 128), ranks_per_node=8)

@@ -1,4 +1,4 @@
-"""The planner's parts (``moepar.moe.placement_pack`` / ``placement_split``): the packing that
+"""The planner's parts (``moepar.moe.replication.placement_pack`` / ``placement_split``): the packing that
 builds a slot map to the mean, and the split that proves its maximum least.
 
 Pure functions, no processes. The split is checked against the exact min-cut formula on
@@ -12,9 +12,9 @@ import random
 
 import pytest
 
-from moepar.moe import placement as P
-from moepar.moe import placement_pack as K
-from moepar.moe.placement_split import Fill, MAX_PASSES
+from moepar.moe.replication import placement as P
+from moepar.moe.replication import placement_pack as K
+from moepar.moe.replication.placement_split import Fill, MAX_PASSES
 
 
 def _min_cut(loads, held):

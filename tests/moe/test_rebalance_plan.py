@@ -11,9 +11,9 @@ import functools
 import torch
 
 import moepar
-from moepar.moe import rebalance as RB
-from moepar.moe.placement import plan_placement
-from moepar.moe.replicas import OWNER_SLACK
+from moepar.moe.replication import rebalance as RB
+from moepar.moe.replication.placement import plan_placement
+from moepar.moe.replication.replicas import OWNER_SLACK
 from moepar.parallel import comm
 
 from ..helpers.multiproc import run_ranks

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import moepar
-from moepar.moe import recompute
+from moepar.moe.routing import recompute
 from moepar.parallel.groups import ParallelState
 
 from ..helpers.multiproc import run_ranks

@@ -1,5 +1,5 @@
 """Routing replay in every order users run a checkpointed MoE block: each recompute routes as
-its own forward did (moepar.moe.recompute), whatever ran before it, in whichever order the
+its own forward did (moepar.moe.routing.recompute), whatever ran before it, in whichever order the
 backwards come, nested or not.
 
 Before records were tied to their forward (the recompute took the oldest record of its token
@@ -13,7 +13,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import moepar
-from moepar.moe import recompute
+from moepar.moe.routing import recompute
 
 from .test_recompute import Block, D, T, _data
 

@@ -14,8 +14,8 @@ import types
 import torch
 
 import moepar
-from moepar.moe.placement import Copy, Placement, plan_placement, split_counts, zipf_loads
-from moepar.moe.replicas import Replicas, SlotMap, local_order, split_counts_device
+from moepar.moe.replication.placement import Copy, Placement, plan_placement, split_counts, zipf_loads
+from moepar.moe.replication.replicas import Replicas, SlotMap, local_order, split_counts_device
 
 from ..helpers.multiproc import run_ranks
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from moepar.moe.router import Routing, RouterConfig, TopKRouter, capacity_of, normalizes
+from moepar.moe.routing.router import Routing, RouterConfig, TopKRouter, capacity_of, normalizes
 from moepar_kernels import routing as rk
 
 from ..helpers.multiproc import run_ranks

@@ -11,10 +11,10 @@ import torch.nn.functional as F
 import moepar
 from moepar.moe.config import make_config
 
-from moepar.moe.activations import ClampedSwiGLU, clamped_swiglu_reference
-from moepar.moe.experts import GroupedExperts
+from moepar.moe.experts.activations import ClampedSwiGLU, clamped_swiglu_reference
+from moepar.moe.experts.grouped import GroupedExperts
 from moepar.moe.layer import MoE
-from moepar.moe.router import RouterConfig, TopKRouter
+from moepar.moe.routing.router import RouterConfig, TopKRouter
 from moepar.parallel.groups import ParallelState
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch.distributed as dist
 
 
-from moepar.moe.dedup import dedup_rows
-from moepar.moe.router import capacity_of
+from moepar.moe.exchange.dedup import dedup_rows
+from moepar.moe.routing.router import capacity_of
 from moepar.moe.traffic import LayerShape, layer_collectives, message_bytes
 from moepar.parallel import init_parallel
 
@@ -111,7 +111,7 @@ def _shape(**kw):
 
 @pytest.mark.parametrize("extra", [dict(), dict(tp=2, shared=True), dict(etp=2, etp_rows=24), dict(dedup=True)])
 def test_replication_adds_exactly_two_rows_and_keeps_every_other(extra):
-    from moepar.moe.placement import plan_placement
+    from moepar.moe.replication.placement import plan_placement
     plain = layer_collectives(_shape(**extra))
     p = plan_placement([8, 1, 1, 1, 4, 1, 1, 1], 8, 4, 4)
     rep_fields = replica_shape(p, 0, expert_slice_numel=3 * 8 * 16, param_bytes=4)

@@ -15,9 +15,9 @@ from torch import nn
 import moepar
 from moepar import checkpoint
 from moepar.checkpoint import CheckpointError
-from moepar.moe.placement import plan_placement
-from moepar.moe.rebalance import placement_plain
-from moepar.moe.replicas import OWNER_SLACK
+from moepar.moe.replication.placement import plan_placement
+from moepar.moe.replication.rebalance import placement_plain
+from moepar.moe.replication.replicas import OWNER_SLACK
 
 from ..helpers.multiproc import run_ranks
 

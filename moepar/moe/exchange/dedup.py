@@ -3,7 +3,7 @@
 Legend (docs/moe.md): T tokens, K routes per token, L local experts per rank, P EP ranks,
 R rows sent, M rows received. Each token whose K routes go to fewer than K ranks is sent once to each
 (DeepEP's layout); a side message per row carries the token's weights and local expert ids
-at that rank. ``DedupRows`` is the exchange form (``exchange.py`` has the others and the
+at that rank. ``DedupRows`` is the exchange form (``rows.py`` has the others and the
 steps they share); below it, the pure tensor work on either side and the group's decision.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import torch
 
 from moepar_kernels.permute import inverse_row_map, permute, unpermute
 
-from ..parallel import comm
-from .exchange import Call, During, Meta, Plan, Routes, combine_rows, run_during, start_rows, tokens_back
+from ...parallel import comm
+from .rows import Call, During, Meta, Plan, Routes, combine_rows, run_during, start_rows, tokens_back
 
 # The "auto" threshold lives in a torch-free module so the cost model can read it; re-exported.
 from .dedup_policy import DEDUP_MAX_FRACTION
@@ -58,10 +58,10 @@ class DedupRows:
                                   weights_MK=w_MK, token_sizes=r.token_sizes), extra
 
     def combine(self, call: Call, y: torch.Tensor, meta: DedupMeta) -> torch.Tensor:
-        y = unpermute(y, meta.row_map_MK, meta.weights_MK, meta.row_map_MK.shape[0])
+        y = unpermute(y, meta.row_map_MK, meta.weights_MK, meta.row_map_MK.shape[0], checked=True)
         y = combine_rows(call, y, meta.send, meta.recv)
         # The weights were applied on the receiver: the sender sums a token's rows with weight 1.
-        y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0])
+        y = unpermute(y, meta.row_map_TK, None, meta.row_map_TK.shape[0], checked=True)
         return tokens_back(call, y, meta.token_sizes)
 
 def dedup_rows(expert_ids_TK: torch.Tensor, dropped_TK: torch.Tensor | None, L: int, P: int) -> torch.Tensor:

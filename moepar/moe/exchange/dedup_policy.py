@@ -1,7 +1,7 @@
 """When dedup dispatch pays, as one number shared by the layer and the cost model.
 
 Torch-free, so ``moepar.cost`` prices the layer's "auto" decision with the very threshold
-the layer applies (``moepar.moe.dedup.group_dedups``) without importing torch.
+the layer applies (``moepar.moe.exchange.dedup.group_dedups``) without importing torch.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ block's size (``moepar.parallel.groups``).
 ``dispatch`` runs steps 2-7 of docs/moe.md's one list of the forward's steps (step 1 is the
 router's), each a method or a module: ``_tp_share`` (2); ``_exchange_counts`` and ``decide``,
 at the end of this file (3; ``_apply_guard`` with a receive guard, ``guard.py``); the exchange
-form (4-7, ``exchange.py``). ``combine`` runs 9-11. Padded capacity mode (``padded.py``)
+form (4-7, ``rows.py``). ``combine`` runs 9-11. Padded capacity mode (``padded.py``)
 replaces steps 2-4: its splits are known on every rank without an exchange, so it reads
 nothing back to the host. A layer whose block is one rank (tp = ep = etp = 1) exchanges
 nothing either.
@@ -26,18 +26,18 @@ import torch
 
 from moepar_kernels.permute_index import check_permute_args
 
-from ..parallel import comm, regions
-from ..parallel.groups import MoeTopology as Topology
-from . import cpu, traffic as msg
+from ...parallel import comm, regions
+from ...parallel.groups import MoeTopology as Topology
+from .. import cpu, traffic as msg
 from .dedup import DEDUP_MAX_FRACTION, DedupMeta, DedupRows, dedup_rows, group_dedups
-from .exchange import Call, Meta, Plan, RouteRows, Routes, SourceMajorMeta, SourceMajorRows
-from .config import DEDUP_MODES, MoEConfig
+from .rows import Call, Meta, Plan, RouteRows, Routes, SourceMajorMeta, SourceMajorRows
+from ..config import DEDUP_MODES, MoEConfig
 from .guard import GroupLoad, guard_drops, quotas
 from .padded import PaddedMeta, PaddedRows
 
 __all__ = ["Dispatcher", "Dispatched"]
 
-# The exchange forms by name (exchange.py, dedup.py, padded.py); step 3 picks one.
+# The exchange forms by name (rows.py, dedup.py, padded.py); step 3 picks one.
 FORMS = {"rows": RouteRows(), "source_major": SourceMajorRows(), "dedup": DedupRows(), "padded": PaddedRows()}
 
 # dtypes are exchanged as small integer codes.
@@ -94,10 +94,15 @@ class Dispatcher:
         return self._state.ep_group if self._state is not None else self._ep_group
 
     def topology(self) -> Topology:
-        """This call's groups (the state's, computed once per state)."""
+        """This call's groups, read from the state at each call (the state computes them once
+        and forgets them at teardown, so a layer that outlives destroy_parallel holds no
+        group); a layer built on a bare group keeps the topology it computed."""
         if self._state is not None:
             return self._state.moe_topology_sp if self.config.sequence_parallel else self._state.moe_topology
-        return Topology.of_ep_group(self._ep_group)
+        topo = self.__dict__.get("_topology")
+        if topo is None:
+            topo = self.__dict__["_topology"] = Topology.of_ep_group(self._ep_group)
+        return topo
 
     def _call(self) -> Call:
         x = self.config.exchange
@@ -121,12 +126,15 @@ class Dispatcher:
         ``traffic.DEVICE_FIELDS``), raised on every rank of the block if nonzero.
         ``error``: the caller found its input invalid (it dispatches an empty routing): every
         rank of the block raises, this one with ``error``, after the counts exchange.
-        ``trusted``: the ids come from a router (in range): a rank alone then reads nothing.
+        ``trusted``: the ids, drops and weights come from the layer's router (valid by
+        construction): their checks are skipped, and a rank alone reads nothing.
         ``tokens``: this rank's token count as ``during`` sees it (default: x_TD's rows; the
         layer's differ when every route travels as its own row). ``counts_E``: the kept routes
         per expert where the caller has them (the router's histogram; saves making it again).
         """
-        problem = _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK, self.num_experts, capacity)
+        # The layer's own routes (trusted) were made valid by its router: only others are checked.
+        problem = None if trusted else _dispatch_arg_error(x_TD, expert_ids_TK, dropped_TK, weights_TK,
+                                                           self.num_experts, capacity)
         padded = self.config.router.pad_to_capacity
         if problem is None and padded != (capacity is not None):
             problem = (f"capacity={capacity} but this dispatcher was built with pad_to_capacity={padded}: padded "

@@ -40,8 +40,8 @@ from moepar_kernels.permute_index import check_permute_args
 from moepar_kernels.permute_fp8 import (BLOCK as KERNEL_BLOCK, E4M3_MAX, FP8, pack, permute_quantize,
                                         quantize_reference as quantize, unpack_dequantize)
 
-from ..parallel import comm
-from .traffic import FP8_BLOCK as BLOCK, fp8_row_bytes
+from ...parallel import comm
+from ..traffic import FP8_BLOCK as BLOCK, fp8_row_bytes
 
 if KERNEL_BLOCK != BLOCK:   # the cost model's bytes and the kernel's blocks must agree
     raise ImportError(f"moepar_kernels.permute_fp8.BLOCK={KERNEL_BLOCK} != traffic.FP8_BLOCK={BLOCK}")

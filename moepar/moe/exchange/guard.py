@@ -26,8 +26,8 @@ from fractions import Fraction
 
 import torch
 
-from .. import checks
-from ..parallel.comm import to_device
+from ... import checks
+from ...parallel.comm import to_device
 
 
 def check_receive_capacity_factor(value) -> None:

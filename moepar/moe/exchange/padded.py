@@ -2,7 +2,7 @@
 
 Legend (docs/moe.md): T tokens, D hidden, E experts, L = E/P local experts, P EP ranks,
 S = etp*P source blocks, C slots per expert. The steps it shares with the dropless forms
-(``start_rows``, ``gather_etp``, ``return_rows``, the regroup) are in ``exchange.py``.
+(``start_rows``, ``gather_etp``, ``return_rows``, the regroup) are in ``rows.py``.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 
 from moepar_kernels.permute import permute, unpermute
 
-from ..parallel import comm, regions
-from .exchange import (Call, During, Meta, PermuteRows, gather_etp, regroup_index, return_rows, run_during,
+from ...parallel import comm, regions
+from .rows import (Call, During, Meta, PermuteRows, gather_etp, regroup_index, return_rows, run_during,
                        start_rows)
 
 
@@ -67,4 +67,4 @@ class PaddedRows:
         if call.topo.tp > 1:   # gather every expert's slot slices back: [E, C, D]
             y = regions.gather_from_region(y.view(call.num_experts, -1, y.shape[-1]), call.topo.tp_group, 1,
                                            stats=call.stats).reshape(-1, y.shape[-1])
-        return unpermute(y, meta.row_map_TK, meta.weights_TK, meta.num_tokens)
+        return unpermute(y, meta.row_map_TK, meta.weights_TK, meta.num_tokens, checked=True)

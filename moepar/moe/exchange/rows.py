@@ -34,9 +34,10 @@ import torch
 
 from moepar_kernels.permute import permute_routes, unpermute
 
-from ..parallel import comm, regions
-from ..parallel.groups import MoeTopology as Topology
-from . import cpu, fp8
+from ...parallel import comm, regions
+from ...parallel.groups import MoeTopology as Topology
+from .. import cpu
+from . import fp8
 from .guard import GroupLoad
 
 During = Callable[[tuple[int, ...] | None], torch.Tensor] | None
@@ -280,7 +281,7 @@ class RouteRows:
             idx, inv = meta.regroup
             y = PermuteRows.apply(y, inv, idx)
         y = return_rows(call, y, meta.etp_sizes, meta.send, meta.recv)
-        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0], route_N=meta.route_N)
+        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0], route_N=meta.route_N, checked=True)
         return tokens_back(call, y, meta.token_sizes)
 
 
@@ -302,5 +303,5 @@ class SourceMajorRows(RouteRows):
 
     def combine(self, call: Call, y: torch.Tensor, meta: SourceMajorMeta) -> torch.Tensor:
         y = combine_rows(call, y, meta.send, meta.recv)
-        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0], route_N=meta.route_N)
+        y = unpermute(y, meta.row_map_TK, meta.weights_TK, meta.row_map_TK.shape[0], route_N=meta.route_N, checked=True)
         return tokens_back(call, y, meta.token_sizes)

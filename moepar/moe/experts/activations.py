@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .. import checks
+from ... import checks
 
 
 def _tanh_gelu(x):   # transformers' gelu_new / gelu_accurate: the tanh formula with pow

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from .experts_fn import ExpertsFunction, check_counts, resolve_gemm_path
+from .function import ExpertsFunction, check_counts, resolve_gemm_path
 
 _Opt = Optional[torch.Tensor]
 

@@ -1,11 +1,11 @@
 """The grouped GEMMs and the autograd Function over them: all local experts' FFN on ragged rows.
 
 ``ExpertsFunction`` is the grouped experts' forward and backward as one autograd Function,
-used by ``GroupedExperts`` (eager) and by its custom ops (``experts_op``, under
+used by ``GroupedExperts`` (eager) and by its custom ops (``custom_op``, under
 torch.compile). Below it, the GEMM paths it drives ("loop", "grouped_mm", "bmm"): each
 computes, per local expert e on its row block, the forward ``x_e @ w_e (+ b_e)``, the data
 gradient ``g_e @ w_e^T``, the weight gradient ``x_e^T @ g_e`` and the bias gradient; last,
-``choose_gemm_path``, the measured "auto" rule (docs/local.md). Legend as in ``experts.py``:
+``choose_gemm_path``, the measured "auto" rule (docs/local.md). Legend as in ``grouped.py``:
 E local experts, D hidden, Fl the ffn slice held here (F / etp), N rows (expert-major
 unless ``segment_experts`` names each row block's expert).
 """
@@ -16,8 +16,8 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import cpu
-from ..parallel.comm import to_device
+from .. import cpu
+from ...parallel.comm import to_device
 
 
 GEMM_PATHS = ("auto", "grouped_mm", "loop", "bmm")

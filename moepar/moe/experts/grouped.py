@@ -12,7 +12,7 @@ Expert FFN: ``y = act(x @ w1 + b1) @ w2 + b2``; swiglu: ``(silu(x@w1+b1) * (x@w3
 
 The forward and backward are one autograd Function that calls the GEMMs directly (no
 per-expert autograd graph, no ``torch.cat``, outputs written in place into one buffer),
-through one of three GEMM paths (the Function and the paths: ``moepar/moe/experts_fn.py``),
+through one of three GEMM paths (the Function and the paths: ``moepar/moe/experts/function.py``),
 all giving the same numbers within float rounding:
 
 * ``"loop"``: a Python loop of ``mm``/``addmm`` with ``out=`` slices of one buffer;
@@ -39,12 +39,12 @@ import torch
 import torch.nn as nn
 
 
-from .. import checks
+from ... import checks
 from .activations import GATED, ClampedSwiGLU, Elementwise
-from .config import HFOptions, MoEConfig, RouterConfig
-from .experts_fn import ExpertsFunction, check_counts, resolve_gemm_path
-from .experts_op import experts_fwd
-from ..parallel.fsdp import copy_local
+from ..config import HFOptions, MoEConfig, RouterConfig
+from .function import ExpertsFunction, check_counts, resolve_gemm_path
+from .custom_op import experts_fwd
+from ...parallel.fsdp import copy_local
 
 RECEIVE = object()   # GroupedExperts.forward's default: the replicas' copies arrive inside it
 
@@ -91,13 +91,13 @@ class GroupedExperts(nn.Module):
     init_std=None, dtype=None, gemm_path="auto", activation_limit=7.0, activation_alpha=1.702)``
     is the shortcut that builds both. Activations: "gelu" (exact erf), "swiglu"
     (silu(x w1) * (x w3)), "relu", "clamped_swiglu" (GPT-OSS, ``ClampedSwiGLU``; w1 the gate,
-    w3 the up projection), or an elementwise one of ``moepar.moe.activations``.
+    w3 the up projection), or an elementwise one of ``moepar.moe.experts.activations``.
 
     Every parameter carries ``moepar_expert = True`` and ``moepar_expert_partition_dim``
     (the dim sliced by etp: 2 for w1/w3, 1 for w2/b1/b3, None for b2).
     """
 
-    replicas = None   # moepar.moe.replicas.Replicas: set by the layer for redundant_experts > 0
+    replicas = None   # moepar.moe.replication.replicas.Replicas: set by the layer for redundant_experts > 0
     # () -> {name: gradient buffer} for ExpertsFunction's ``grad_buffers``, or None: a subclass
     # holding its tensors in another layout (moepar.hf) has the gradients written into views of
     # its own layout's gradients (no copy into it afterwards).
@@ -259,7 +259,7 @@ class GroupedExperts(nn.Module):
         other paths read the counts once). With ``etp_size > 1`` the result is this rank's
         partial sum (b2 included on expert-TP rank 0 only). With ``replicas`` (set by the
         layer for ``redundant_experts``) the blocks are this rank's slots
-        (``moepar.moe.replicas``), whose remote copies arrive here unless the caller passes
+        (``moepar.moe.replication.replicas``), whose remote copies arrive here unless the caller passes
         ``copies`` (``receive_copies()``, e.g. from outside an activation recompute).
 
         ``segment_experts`` (optional): the rows are blocks in any order, block i
@@ -268,17 +268,11 @@ class GroupedExperts(nn.Module):
         copy). Runs the loop GEMM path, one product per block on the expert's weights in
         place, weight gradients accumulated per expert."""
         dt = self._compute_dtype(x_ND)
-        params = self._gemm_params(dt)
-        rebuild = None
+        params, rebuild, b2 = self._gemm_params(dt), None, None
         if self.replicas is not None:   # local experts [L, ...] -> this rank's slots [H, ...]
-            if copies is RECEIVE:
-                copies = self.replicas.receive(params)
-            params, again = self.replicas.assemble(params, copies)
-            if again is not None:   # the backward assembles the slots again: autograd keeps none
-                rebuild = lambda: again(self._gemm_params(dt))[:3]   # noqa: E731
-        b2 = params[4] if self.etp_size > 1 else None
-        if b2 is not None:   # partial sums: b2 is added below, once over the expert-TP group
-            params = params[:4] + (None,) + params[5:]
+            params, rebuild = self._slot_params(params, copies, dt)
+        if self.etp_size > 1:   # partial sums: b2 is added after the GEMMs, once over the group
+            params, b2 = params[:4] + (None,) + params[5:], params[4]
         if dt is not None:
             # Under autocast the GEMMs run in the autocast dtype (master weights stay fp32;
             # the casts, before the copies travel, are differentiable), as nn.Linear would.
@@ -288,13 +282,24 @@ class GroupedExperts(nn.Module):
         else:
             self._check_input(x_ND)
             y_ND = self._run(x_ND, tokens_per_expert, params, segment_experts, host_counts, rebuild)
-        if b2 is not None:
-            # Every expert-TP rank adds its copy of b2, rank 0 with weight 1 and the others
-            # with 0: the reduction of the partial sums adds it once, and b2 has a gradient
-            # on every rank (zero off rank 0). A parameter used on some ranks only would be
-            # left out of FSDP2's reduce-scatter there: mismatched collectives, a hang.
-            y_ND = self._add_bias(y_ND, b2 if self.etp_rank == 0 else b2 * 0.0, tokens_per_expert, host_counts)
-        return y_ND
+        return y_ND if b2 is None else self._add_partial_bias(y_ND, b2, tokens_per_expert, host_counts)
+
+    def _slot_params(self, params: tuple, copies, dt):
+        """(this rank's slots' weights, the function the backward assembles them again with,
+        or None): the owners' weights and the copies that arrived (received here unless given)."""
+        if copies is RECEIVE:
+            copies = self.replicas.receive(params)
+        params, again = self.replicas.assemble(params, copies)
+        if again is None:
+            return params, None
+        return params, lambda: again(self._gemm_params(dt))[:3]   # autograd keeps no slot weights
+
+    def _add_partial_bias(self, y_ND, b2, tokens_per_expert, host_counts):
+        """Every expert-TP rank adds its copy of b2, rank 0 with weight 1 and the others with 0:
+        the reduction of the partial sums adds it once, and b2 has a gradient on every rank
+        (zero off rank 0). A parameter used on some ranks only would be left out of FSDP2's
+        reduce-scatter there: mismatched collectives, a hang."""
+        return self._add_bias(y_ND, b2 if self.etp_rank == 0 else b2 * 0.0, tokens_per_expert, host_counts)
 
     def _compute_dtype(self, x_ND: torch.Tensor) -> torch.dtype | None:
         """The autocast dtype the GEMMs run in, None outside autocast (or where it is the weights')."""

@@ -6,7 +6,7 @@ splits each replicated expert's routes among its copies so that the most-loaded 
 expected load is as close to the mean as the slot map allows (the slot map is built in
 ``placement_pack``, the split found in ``placement_split``). ``split_counts`` turns a copy's
 share into whole routes, the same way on every rank. Algorithm, guarantee and figures:
-docs/routing.md, "Expert replication: placement". ``python -m moepar.moe.placement``
+docs/routing.md, "Expert replication: placement". ``python -m moepar.moe.replication.placement``
 prints the Zipf table shown there (``--time N``: with each plan's seconds).
 
 Legend (docs/moe.md): E logical experts, X redundant expert slots in all (``redundant_experts``).
@@ -20,7 +20,7 @@ import statistics
 import time
 from typing import Sequence
 
-from ..checks import finite, int_at_least, positive_int
+from ...checks import finite, int_at_least, positive_int
 from .placement_pack import construct, identity
 from .placement_split import Fill
 
@@ -119,7 +119,7 @@ def plan_placement(loads: Sequence[float], num_experts: int, redundant_experts: 
     filled greedily if that has a lower maximum rank load, so the result is never worse than
     no replication. ``owner_slack`` >= 0: the unreplicated layout plus copies also wins when
     its most-loaded rank is within this fraction of the best plan's (in the layer only the
-    copies' weights then travel each forward, ``moepar.moe.replicas``); with it > 0 the built
+    copies' weights then travel each forward, ``moepar.moe.replication.replicas``); with it > 0 the built
     plans' ranks are also relabelled so that owners keep as many of their experts as the
     packing allows (free: the packing does not care which rank is which). Shares: the least
     maximum the slot map allows (``placement_split.Fill``).

@@ -1,4 +1,4 @@
-"""The slot maps ``moepar.moe.placement.plan_placement`` chooses from (torch-free).
+"""The slot maps ``moepar.moe.replication.placement.plan_placement`` chooses from (torch-free).
 
 ``construct``: a slot map built to reach the mean rank load directly. An expert whose copies
 share its load can be split anywhere, so the plan is McNaughton's wrap-around rule with
@@ -8,7 +8,7 @@ other, into what every rank lacks below a common level, each filler over consecu
 of that stream. With ``ranks_per_node`` the same rule runs twice: experts over nodes, then
 each node's share over its ranks, so only the fillers of the node level span nodes.
 ``identity``: the unreplicated layout plus the extra copies (never worse than X = 0). The
-splits of either: ``moepar.moe.placement_split``.
+splits of either: ``moepar.moe.replication.placement_split``.
 
 Legend (docs/moe.md): E logical experts, X redundant expert slots in all, H expert slots one
 EP rank holds; one level of the packing fills ``bins`` (ranks or nodes) of ``slots`` items.

@@ -3,7 +3,7 @@
 ``Fill`` holds a slot map with its shares and refines them by water-filling until the most
 loaded rank is proven the least the map allows (``Fill.settle``), finishing with a
 max-flow step (``Fill.reach``) where the passes close in slowly. Used by
-``moepar.moe.placement.plan_placement``.
+``moepar.moe.replication.placement.plan_placement``.
 
 Legend (docs/moe.md): E logical experts, X redundant expert slots in all.
 """

@@ -1,5 +1,5 @@
 """``moepar.rebalance(model)``: re-place every replicated MoE layer's experts from the load
-measured since the last call (``moepar.moe.replicas``; docs/routing.md).
+measured since the last call (``moepar.moe.replication.replicas``; docs/routing.md).
 
 Called at a step boundary (after ``optimizer.step()``), on every rank of the model alike.
 It issues one all-reduce of every layer's measured routes ([layers, E] int64) over the
@@ -22,14 +22,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import checks
-from ..parallel import comm
-from .layer import MoE
+from ... import checks
+from ...parallel import comm
+from ..layer import MoE
 from .placement import Placement, check_placement_args, placement_from_values, placement_values, plan_placement
 from .replicas import OWNER_SLACK
 
 
-from .traffic import SPREAD_SLOTS, rebalance_collectives  # noqa: F401 (the threshold, re-exported)
+from ..traffic import SPREAD_SLOTS, rebalance_collectives  # noqa: F401 (the threshold, re-exported)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,7 +164,7 @@ def named_moe_layers(model: nn.Module):
     """(name, layer) of every moepar MoE layer of ``model``, under the name it has in the
     whole model: a rank holding several pipeline stages (``StageChunks``) names its layers
     without the chunk prefix, as it names their parameters."""
-    from ..parallel.pipeline import StageChunks
+    from ...parallel.pipeline import StageChunks
     for part in (model.chunks if isinstance(model, StageChunks) else [model]):
         for name, m in part.named_modules():
             if isinstance(m, MoE):

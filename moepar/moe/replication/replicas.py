@@ -1,7 +1,7 @@
 """Expert replication in the layer: E + X expert slots per EP group, the hot experts copied.
 
 ``MoE(..., redundant_experts=X)`` gives each of the ep ranks H = (E + X) / ep slots; the
-slot map is a ``moepar.moe.placement.Placement`` (first uniform, then from measured load at
+slot map is a ``moepar.moe.replication.placement.Placement`` (first uniform, then from measured load at
 each ``rebalance``). Three rules keep it exact and cheap to reason about:
 
 - **Ownership never moves.** Logical expert g's parameters stay on its home rank
@@ -35,7 +35,7 @@ import dataclasses
 
 import torch
 
-from ..parallel import comm
+from ...parallel import comm
 from .placement import Placement, check_placement_args, plan_placement
 
 # A placement that keeps every expert's first copy on its owner wins when its most-loaded

@@ -27,9 +27,9 @@ from moepar import checks
 from moepar.parallel import comm, regions
 from moepar_kernels import routing as _rk
 
-from ..parallel.fsdp import copy_local   # a DTensor (FSDP2) keeps its own shard
+from ...parallel.fsdp import copy_local   # a DTensor (FSDP2) keeps its own shard
 from .capacity import drop_beyond_capacity
-from .config import RouterConfig
+from ..config import RouterConfig
 from .recompute import Record, rng_replayed, rng_state
 
 
@@ -48,7 +48,7 @@ class Routing:
     # of tokens with non-finite logits, a device scalar the caller raises on; else None.
     nonfinite: Optional[torch.Tensor] = None
     # The generator state the noisy gate drew from (training with a noisy_gate_policy), kept
-    # so that a recompute redraws the same noise (moepar.moe.recompute); else None.
+    # so that a recompute redraws the same noise (moepar.moe.routing.recompute); else None.
     noise_rng: Optional[torch.Tensor] = None
     score_func: str = "softmax"
 
@@ -120,6 +120,13 @@ def input_error(cfg: RouterConfig, num_tokens: int) -> Optional[str]:
         if num_tokens % cfg.seq_len:
             return f"{num_tokens} tokens are not a whole number of sequences of seq_len={cfg.seq_len}"
     return None
+
+
+def _raise_nonfinite(logits_TE: torch.Tensor, bad, bad_T) -> None:
+    bad_T = _rk.nonfinite_rows(logits_TE) if bad_T is None else bad_T
+    raise ValueError(f"router logits are NaN or inf for {int(bad)} of {logits_TE.shape[0]} tokens "
+                     f"(first: token {int(bad_T.nonzero()[0, 0])}); nonfinite='propagate' turns them "
+                     f"into NaN outputs")
 
 
 class TopKRouter(nn.Module):
@@ -229,7 +236,7 @@ class TopKRouter(nn.Module):
         ``defer_checks``: with nonfinite="raise", count the non-finite tokens on the device
         (``Routing.nonfinite``) instead of reading them here: the MoE layer sends the count in
         its counts exchange, so that every rank raises together, with no host read of its own.
-        ``replay``: a recompute's record of its forward (moepar.moe.recompute): the same ids
+        ``replay``: a recompute's record of its forward (moepar.moe.routing.recompute): the same ids
         and drops, the noise redrawn from the same state. ``count``: add this forward's
         routes to ``load_accum`` (False in a recompute). ``comm_stats``: receives the events of
         the aux/z statistics' collectives over ``stats_group``."""
@@ -268,53 +275,56 @@ class TopKRouter(nn.Module):
     def _route(self, logits_TE: torch.Tensor, stats_group, defer_checks: bool, replay, count: bool,
                comm_stats=None) -> Routing:
         cfg = self.config
-        T, E = logits_TE.shape
-        noise_TE = None
-        if self.training and cfg.noisy_gate_policy == "rsample":
-            # Gumbel(0, 1) on the logits used for selection: sampling without replacement.
-            u = torch.rand_like(logits_TE).clamp_min(torch.finfo(torch.float32).tiny)
-            noise_TE = -torch.log(-torch.log(u))
-        args = (logits_TE, cfg.k, cfg.score_func, self.expert_bias, normalizes(cfg), cfg.scaling_factor)
-        aux = bad_T = scores_TE = None
-        if noise_TE is None and replay is None and self._use_kernel(logits_TE):
-            # One launch: the routes, the rows with a non-finite logit and, where it covers
-            # only this rank's tokens, the load-balancing loss (no [T, E] scores kept here).
-            ids_TK, w_TK, hist_E, bad, aux = _rk.routing_full(*args, self._fused_aux_scale(T, stats_group))
+        T = logits_TE.shape[0]
+        noisy = self.training and cfg.noisy_gate_policy == "rsample"
+        if not noisy and replay is None and self._use_kernel(logits_TE):
+            ids_TK, w_TK, hist_E, bad, aux, bad_T, scores_TE = self._kernel_routes(logits_TE, stats_group)
         else:
-            bad_T = _rk.nonfinite_rows(logits_TE)
-            bad = bad_T.sum() if cfg.nonfinite == "raise" else None
-            if cfg.score_func != "softmax_after_topk":
-                scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
-            # The reference reuses the scores (one softmax, one backward through it) and bad_T;
-            # a replay gives it the forward's ids instead of selecting.
-            ids_TK, w_TK, hist_E = _rk.routing_reference(
-                *args, num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, group_topn=group_topn(cfg),
-                selection_noise_TE=noise_TE, scores_TE=scores_TE, bad_T=bad_T,
-                ids_TK=None if replay is None else replay.ids_TK)
+            ids_TK, w_TK, hist_E, bad, aux, bad_T, scores_TE = self._reference_routes(logits_TE, replay, noisy)
         nonfinite = bad if cfg.nonfinite == "raise" and defer_checks else None
         if cfg.nonfinite == "raise" and not defer_checks and bool(bad):
-            bad_T = _rk.nonfinite_rows(logits_TE) if bad_T is None else bad_T
-            raise ValueError(f"router logits are NaN or inf for {int(bad)} of {T} tokens "
-                             f"(first: token {int(bad_T.nonzero()[0, 0])}); nonfinite='propagate' turns them "
-                             f"into NaN outputs")
+            _raise_nonfinite(logits_TE, bad, bad_T)
         capacity = capacity_of(cfg, T, self.training)
-        dropped_TK = None
-        kept_E = hist_E
+        dropped_TK, kept_E = None, hist_E
         if capacity is not None:   # an option: the drops live in capacity.py
             bad_T = _rk.nonfinite_rows(logits_TE) if bad_T is None else bad_T
             dropped_TK, w_TK, kept_E = drop_beyond_capacity(cfg, ids_TK, w_TK, bad_T, capacity,
                                                             None if replay is None else replay.dropped_TK)
-        if aux is None:
-            if scores_TE is None and cfg.aux_loss is not None:
-                scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
-            aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group, comm_stats)
-        else:
-            z = self._losses(logits_TE, None, ids_TK, hist_E, stats_group, comm_stats, aux_done=True)[1]
+        aux, z = self._losses(logits_TE, scores_TE, ids_TK, hist_E, stats_group, comm_stats, aux)
         if self.training and cfg.expert_bias and count:
             with torch.no_grad():
                 self.load_accum += hist_E
         return Routing(ids_TK, w_TK, dropped_TK, kept_E, aux, z, logits_TE, capacity, nonfinite,
                        score_func=cfg.score_func)
+
+    def _kernel_routes(self, logits_TE: torch.Tensor, stats_group):
+        """One launch: the routes, the rows with a non-finite logit and, where it covers only
+        this rank's tokens, the load-balancing loss (no [T, E] scores kept here)."""
+        cfg = self.config
+        ids_TK, w_TK, hist_E, bad, aux = _rk.routing_full(
+            logits_TE, cfg.k, cfg.score_func, self.expert_bias, normalizes(cfg), cfg.scaling_factor,
+            self._fused_aux_scale(logits_TE.shape[0], stats_group))
+        return ids_TK, w_TK, hist_E, bad, aux, None, None
+
+    def _reference_routes(self, logits_TE: torch.Tensor, replay, noisy: bool):
+        """The torch rule: it reuses the scores (one softmax, one backward through it) and the
+        non-finite rows; a replay gives it the forward's ids instead of selecting."""
+        cfg = self.config
+        noise_TE = None
+        if noisy:   # Gumbel(0, 1) on the logits used for selection: sampling without replacement
+            u = torch.rand_like(logits_TE).clamp_min(torch.finfo(torch.float32).tiny)
+            noise_TE = -torch.log(-torch.log(u))
+        bad_T = _rk.nonfinite_rows(logits_TE)
+        scores_TE = None
+        if cfg.score_func != "softmax_after_topk":
+            scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
+        ids_TK, w_TK, hist_E = _rk.routing_reference(
+            logits_TE, cfg.k, cfg.score_func, self.expert_bias, normalizes(cfg), cfg.scaling_factor,
+            num_groups=cfg.num_groups, topk_groups=cfg.topk_groups, group_topn=group_topn(cfg),
+            selection_noise_TE=noise_TE, scores_TE=scores_TE, bad_T=bad_T,
+            ids_TK=None if replay is None else replay.ids_TK, checked=True)
+        bad = bad_T.sum() if cfg.nonfinite == "raise" else None
+        return ids_TK, w_TK, hist_E, bad, None, bad_T, scores_TE
 
     def _fused_aux_scale(self, tokens: int, stats_group) -> float:
         """The routing launch's ``aux_scale`` when it can compute the aux loss (the Switch loss
@@ -326,7 +336,7 @@ class TopKRouter(nn.Module):
         scale = cfg.aux_loss_coeff * cfg.num_experts / (cfg.k * tokens * tokens)
         return scale * cfg.k if cfg.aux_loss_convention == "hf" else scale
 
-    def _losses(self, logits_TE, scores_TE, ids_TK, hist_E, group, comm_stats=None, aux_done: bool = False
+    def _losses(self, logits_TE, scores_TE, ids_TK, hist_E, group, comm_stats=None, fused_aux=None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """Aux and z losses from sums that add over ranks, so ``stats_group`` gives the
         loss of the union of the group's tokens: counts are all-reduced; score and
@@ -336,9 +346,11 @@ class TopKRouter(nn.Module):
         T, E = logits_TE.shape
         K = cfg.k
         zero = self._zero(logits_TE.device)
-        aux_on, z_on = cfg.aux_loss is not None and not aux_done, cfg.z_loss_coeff > 0
-        if not aux_on and not z_on:
-            return zero, zero
+        aux_on, z_on = cfg.aux_loss is not None and fused_aux is None, cfg.z_loss_coeff > 0
+        if not aux_on and not z_on:   # the launch's loss, or none
+            return (zero if fused_aux is None else fused_aux), zero
+        if aux_on and scores_TE is None:
+            scores_TE = torch.sigmoid(logits_TE) if cfg.score_func == "sigmoid" else torch.softmax(logits_TE, -1)
         diff, counts = [], []
         if aux_on:
             # P_e uses per-token scores summing to 1 (sigmoid scores are renormalised).
@@ -367,7 +379,8 @@ class TopKRouter(nn.Module):
             diff_sum = diff[0] if len(diff) == 1 else torch.cat(diff)
             count_sum = counts[0] if counts else None
             tokens = float(max(T, 1))
-        aux = z = zero
+        aux = zero if fused_aux is None else fused_aux
+        z = zero
         if z_on:
             z = cfg.z_loss_coeff * diff_sum[-1] / tokens
         if aux_on:
