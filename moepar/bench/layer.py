@@ -25,8 +25,10 @@ kernels' bandwidth as a fraction of the card's copy bandwidth (``moepar.bench.ke
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import sys
 import time
 from typing import Callable
 
@@ -424,11 +426,13 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.json:   # stdout is the one JSON object: what the peers print (DeepSpeed's logger) goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            out = run(args)
+        print(json.dumps(out, indent=1, default=str))
+        return 1 if args.strict and out["failed"] else 0
     out = run(args)
     rc = 1 if args.strict and out["failed"] else 0
-    if args.json:
-        print(json.dumps(out, indent=1, default=str))
-        return rc
     print(f"# bench layer  {out['date']}  {out['machine']}  torch {out['torch']}  threads={out['threads']}  "
           f"device={out['device']}  clock={args.clock}  malloc={args.malloc}  load(1 min)={out['load_avg_1min']}")
     if out["matmul_gflops"]:
