@@ -182,15 +182,16 @@ class MoE(nn.Module):
         if not recompute:
             self._stats.comm.reset()
             self._loss_cell = None   # set again where this forward keeps a reentrant record
-        error = self._input_error(x)
+        cfg, router = self.config, self.router
+        error = self._input_error(x, cfg, router)
         # A rank whose input is invalid routes an empty batch instead, so that it still meets
         # its peers in every collective up to the counts exchange, where they all raise.
-        x_TD = x.reshape(-1, self.hidden) if error is None else self._empty_input(x)
+        x_TD = x.reshape(-1, cfg.hidden) if error is None else self._empty_input(x)
         flags = {}
-        if self.config.exchange.check_finite and error is None:
+        if cfg.exchange.check_finite and error is None:
             flags["nonfinite_input"] = (~torch.isfinite(x_TD)).sum()
         record = self._replay.find(x_TD) if recompute and self.training else None
-        routing = self.router(x_TD, stats_group=self._aux_group(), defer_checks=True,        # 1. route
+        routing = router(x_TD, stats_group=self._aux_group(), defer_checks=True,             # 1. route
                               replay=record, count=not recompute, comm_stats=self._stats.comm)
         scope = keep_scope() if self.training and not traced else None
         if scope is not None:   # a recompute may re-run this forward (a nested one: this recompute)
@@ -203,16 +204,16 @@ class MoE(nn.Module):
             if self.training and not recompute and not traced:
                 self.replicas.record_load(routing.tokens_per_expert)
         during = None
-        if self.shared is not None and self.config.exchange.overlap_shared_experts:
+        if self.shared is not None and cfg.exchange.overlap_shared_experts:
             during = lambda tp_tokens: self.shared(x_TD, self._sequence_sizes(tp_tokens),   # noqa: E731
                                                    self._stats.comm)
         x_local, meta, shared_TD = self.dispatcher.dispatch(                              # 2-7. exchange
-            x_rows, ids, dropped, w, routing.capacity if self.pad_to_capacity else None, during=during,
+            x_rows, ids, dropped, w, routing.capacity if cfg.router.pad_to_capacity else None, during=during,
             flags=flags, error=error, trusted=True, tokens=x_TD.shape[0],
             counts_E=routing.tokens_per_expert if self.replicas is None else None)
         y_local = self._run_experts(x_local, meta)                                         # 8. experts
         y_TD = self.dispatcher.combine(y_local, meta)                                      # 9-11. back
-        if self.config.hf.score_before_experts:   # each token's K route rows summed: [T, D]
+        if cfg.hf.score_before_experts:   # each token's K route rows summed: [T, D]
             y_TD = sum_routes(y_TD, x_TD.shape[0])
         if self.shared is not None and shared_TD is None:
             shared_TD = self.shared(x_TD, self._sequence_sizes(meta.tp_tokens), self._stats.comm)
@@ -241,18 +242,18 @@ class MoE(nn.Module):
             self._loss_cell = cell
         return dataclasses.replace(routing, weights=self._replay.keep(scope, record, routing.weights))
 
-    def _input_error(self, x: torch.Tensor) -> str | None:
+    def _input_error(self, x: torch.Tensor, cfg: MoEConfig, router: TopKRouter) -> str | None:
         """What is wrong with ``x`` here, on the host (no data read), or None."""
+        hidden, weight = cfg.hidden, router.weight
         if not isinstance(x, torch.Tensor):
             return f"x must be a tensor, got {type(x).__name__}"
-        if x.dim() < 1 or x.shape[-1] != self.hidden:
-            return f"x's last dim is {tuple(x.shape)[-1:] or '()'} but the MoE layer has hidden={self.hidden}"
+        if x.dim() < 1 or x.shape[-1] != hidden:
+            return f"x's last dim is {tuple(x.shape)[-1:] or '()'} but the MoE layer has hidden={hidden}"
         if not x.is_floating_point():
             return f"x must be a floating-point tensor, got {x.dtype}"
-        if x.device != self.router.weight.device:
-            return (f"x is on {x.device} but the MoE layer's parameters are on {self.router.weight.device}; "
-                    f"move one of them")
-        return routing_input_error(self.router.config, x.numel() // self.hidden)   # whole sequences of seq_len
+        if x.device != weight.device:
+            return f"x is on {x.device} but the MoE layer's parameters are on {weight.device}; move one of them"
+        return routing_input_error(router.config, x.numel() // hidden)   # whole sequences of seq_len
 
     def _empty_input(self, x) -> torch.Tensor:
         """[0, hidden] on the layer's device, in x's dtype where x is a floating tensor."""
@@ -282,13 +283,12 @@ class MoE(nn.Module):
             args, kw = (x_local, segments[1], segments[0]), {}
         else:
             args, kw = (x_local, meta.counts_dev), {"host_counts": meta.counts}
-        if self.recompute_experts and torch.is_grad_enabled():
+        experts = self.experts
+        if self.config.recompute_experts and torch.is_grad_enabled():
             # The replicas' weight all-to-all runs here, once: the recompute re-runs local work only.
-            kw["copies"] = self.experts.receive_copies(x_local)
-            y_local = torch.utils.checkpoint.checkpoint(self.experts, *args, use_reentrant=False, **kw)
-        else:
-            y_local = self.experts(*args, **kw)
-        return y_local
+            kw["copies"] = experts.receive_copies(x_local)
+            return torch.utils.checkpoint.checkpoint(experts, *args, use_reentrant=False, **kw)
+        return experts(*args, **kw)
 
     def _record(self, routing, meta) -> None:
         """The losses and statistics of this forward."""
@@ -297,8 +297,7 @@ class MoE(nn.Module):
         self._stats.tokens_per_expert = routing.tokens_per_expert.detach()
         self._stats.routes = routing.expert_ids.numel()
         dropped_TK = routing.dropped_TK   # None when dropless: a zero made once, no op
-        self._stats.capacity_dropped = (self.router._zero(dropped_TK.device if dropped_TK is not None else
-                                                          routing.weights.device, torch.int64)
+        self._stats.capacity_dropped = (self.router._zero(routing.weights.device, torch.int64)
                                         if dropped_TK is None else dropped_TK.sum().detach())
         self._stats.load = meta.load
         self._stats.exchange_form = meta.form
@@ -308,7 +307,7 @@ class MoE(nn.Module):
     def _scaled_losses(self, routing):
         """The aux and z losses as the user's loss takes them."""
         aux, z = routing.aux_loss, routing.z_loss
-        if self.aux_loss_scope == "global" and self.state.dp_size > 1:
+        if self.config.aux_loss_scope == "global" and self.state.dp_size > 1:
             # Each replica back-propagates only its own tokens' share of the global loss and
             # allreduce_gradients averages over dp: scale the share by dp so the result is
             # the gradient of the global-batch loss (the forward value is unchanged).

@@ -79,20 +79,22 @@ class ExpertsFunction(torch.autograd.Function):
         y = cpu.empty_like_rows(x, x.shape[0], w2.shape[2]) if whole else None
         for e0, e1, r0, r1 in segments:
             sl = slice(e0, e1)
-            part = (lambda t: t) if mapped else (lambda t: part_of(t, sl))   # noqa: E731
+            # the whole weights where the segment spans every expert (off the CPU: always)
+            pw1, pw2, pw3, pb1, pb2, pb3 = (w1, w2, w3, b1, b2, b3) if mapped or (e0, e1) == (0, w1.shape[0]) \
+                else [part_of(t, sl) for t in (w1, w2, w3, b1, b2, b3)]
             if mapped:
                 gemm = LoopGemm(counts[sl], segment_experts[sl])
             else:
                 gemm = make_gemm(path, None if counts is None else counts[sl], x.device,
                                  counts_dev if not whole else None, r1 - r0)
             xg = gemm.pad(x[r0:r1])                      # [n', D]: a view except for padded bmm
-            h1 = gemm.fwd(xg, part(w1), part(b1))        # [n', Fl]
+            h1 = gemm.fwd(xg, pw1, pb1)                  # [n', Fl]
             h3 = None
             if activation == "swiglu":
-                h3 = gemm.fwd(xg, part(w3), part(b3))
+                h3 = gemm.fwd(xg, pw3, pb3)
                 a = F.silu(h1).mul_(h3)
             elif not isinstance(activation, str):   # ClampedSwiGLU (GPT-OSS), Elementwise: w1 the gate
-                h3 = gemm.fwd(xg, part(w3), part(b3)) if activation.gated else None
+                h3 = gemm.fwd(xg, pw3, pb3) if activation.gated else None
                 a = activation.forward(h1, h3)
             elif activation == "gelu":
                 a = F.gelu(h1)
@@ -100,11 +102,11 @@ class ExpertsFunction(torch.autograd.Function):
                 a = h1.relu_()
                 h1 = None
             if not whole:
-                y = gemm.unpad(gemm.fwd(a, part(w2), part(b2)))
+                y = gemm.unpad(gemm.fwd(a, pw2, pb2))
             elif gemm.same_layout:
-                gemm.fwd(a, part(w2), part(b2), out=y[r0:r1])
+                gemm.fwd(a, pw2, pb2, out=y[r0:r1])
             else:
-                torch.index_select(gemm.fwd(a, part(w2), part(b2)), 0, gemm.dest, out=y[r0:r1])
+                torch.index_select(gemm.fwd(a, pw2, pb2), 0, gemm.dest, out=y[r0:r1])
             saved.append((e0, e1, r0, r1, gemm, xg, h1, h3, a if activation == "relu" else None))
             del a
         # Under saved-tensor hooks (activation recomputation, offloading) the activations go
@@ -164,20 +166,22 @@ class ExpertsFunction(torch.autograd.Function):
                 "build the layer with recompute_experts=True (the experts then recompute them in each "
                 "backward)")
 
-        def put(name, part, fn):
-            """Write gradient ``name`` for this segment: into its slice, or as the whole result."""
+        def put(name, sl, fn, *args):
+            """Gradient ``name`` = fn(*args): into its slice ``sl`` (None: whole), or the result."""
             if name not in grads:
                 return
-            if grads[name] is not None:   # a whole buffer: this segment's slice of it
-                fn(part(grads[name]))
+            buf = grads[name]
+            if buf is not None:   # a whole buffer: this segment's slice of it
+                fn(*args, out=buf if sl is None else buf[sl])
             else:
-                grads[name] = fn(None)
+                grads[name] = fn(*args)
         while segments:
             # Last segment first, each freed once done: its intermediates, the most recently
             # allocated, are returned before the gradients grow (lower peak memory).
             e0, e1, r0, r1, gemm, xg, h1, h3, a = segments.pop()
-            sl = slice(e0, e1)
-            part = (lambda t: t) if ctx.mapped else (lambda t: part_of(t, sl))   # noqa: E731
+            # None where the segment spans every expert (as in the forward): no slicing calls
+            sl = None if ctx.mapped or (e0, e1) == (0, w1.shape[0]) else slice(e0, e1)
+            pw1, pw2, pw3 = (w1, w2, w3) if sl is None else (w1[sl], w2[sl], part_of(w3, sl))
             gyg = gemm.pad(gy[r0:r1])
             s1 = None
             if a is None:   # recompute the activation's output (gw2 needs it)
@@ -188,11 +192,11 @@ class ExpertsFunction(torch.autograd.Function):
                     a = s1 * h3
                 else:
                     a = F.gelu(h1)
-            put("w2", part, lambda out: gemm.wgrad(a, gyg, out=out))
-            put("b2", part, lambda out: gemm.bias_grad(gyg, out=out))
+            put("w2", sl, gemm.wgrad, a, gyg)
+            put("b2", sl, gemm.bias_grad, gyg)
             if act != "relu":
                 del a                                     # ga below can take its place
-            ga = gemm.dgrad(gyg, part(w2))                # [n', Fl]
+            ga = gemm.dgrad(gyg, pw2)                     # [n', Fl]
             del gyg
             gh3 = None
             if act == "swiglu":
@@ -208,20 +212,20 @@ class ExpertsFunction(torch.autograd.Function):
             del h1, h3
             if need[0]:
                 dst = gx[r0:r1] if gemm.same_layout and gx is not None else None
-                dst = gemm.dgrad(gh1, part(w1), out=dst)
+                dst = gemm.dgrad(gh1, pw1, out=dst)
                 if gh3 is not None:
-                    gemm.dgrad(gh3, part(w3), out=dst, acc=True)
+                    gemm.dgrad(gh3, pw3, out=dst, acc=True)
                 if not whole:
                     gx = gemm.unpad(dst)
                 elif gx is None:
                     gx_first = (r0, r1, gemm.unpad(dst))
                 elif not gemm.same_layout:
                     torch.index_select(dst, 0, gemm.dest, out=gx[r0:r1])
-            put("w1", part, lambda out: gemm.wgrad(xg, gh1, out=out))
-            put("b1", part, lambda out: gemm.bias_grad(gh1, out=out))
+            put("w1", sl, gemm.wgrad, xg, gh1)
+            put("b1", sl, gemm.bias_grad, gh1)
             if gh3 is not None:
-                put("w3", part, lambda out: gemm.wgrad(xg, gh3, out=out))
-                put("b3", part, lambda out: gemm.bias_grad(gh3, out=out))
+                put("w3", sl, gemm.wgrad, xg, gh3)
+                put("b3", sl, gemm.bias_grad, gh3)
             del xg, ga, gh1, gh3
             if gx_first is not None:
                 gx = cpu.empty_like_rows(gy, gy.shape[0], w1.shape[1])
