@@ -79,25 +79,18 @@ class Section:
     def time(self, fn, warmup: int = 3) -> float:
         """Median seconds per call: windows of calls timed with CUDA events (CPU: the clock)."""
         import statistics
-        import torch
         for _ in range(warmup):
             fn()
         self.sync()
         iters, out = (1 if self.dry else 5), []
+        if self.device == "cuda":   # the CUDA-event windows `bench routing` times its kernel with
+            from moepar.bench.routing import cuda_time
+            return cuda_time(fn, iters, max(self.rounds, 1))
         for _ in range(max(self.rounds, 1)):
-            if self.device == "cuda":
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                for _ in range(iters):
-                    fn()
-                b.record()
-                torch.cuda.synchronize()
-                out.append(a.elapsed_time(b) / 1e3 / iters)
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    fn()
-                out.append((time.perf_counter() - t0) / iters)
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                fn()
+            out.append((time.perf_counter() - t0) / iters)
         return statistics.median(out)
 
     def row(self, config: str, name: str, fn, **extra) -> None:
