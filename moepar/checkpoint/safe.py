@@ -147,25 +147,35 @@ def _legacy_classes() -> dict:
     return allowed
 
 
-class _LegacyUnpickler(pickle.Unpickler):
-    """An entry written by moepar before this format, admitting data constructors only."""
+class _AllowList(pickle.Unpickler):
+    """Unpickles the (module, name) pairs of ``allowed`` alone: any other class, and any
+    persistent id, raises a CheckpointError naming ``where``; the subclasses say why."""
+    refused = "{module}.{name}"   # the message's text after "<where>: "
+    persistent = "a pickle with persistent ids"
 
-    def __init__(self, file, where: str):
+    def __init__(self, file, where: str, allowed: dict):
         super().__init__(file)
-        self.where = where
-        self.allowed = _legacy_classes()
+        self.where, self.allowed = where, allowed
 
     def find_class(self, module: str, name: str):
         found = self.allowed.get((module, name))
         if found is None:
-            raise CheckpointError(
-                f"{self.where}: written by an earlier moepar as a pickle that names {module}.{name}, which "
-                f"loading would call (it could run any code). If you trust where this checkpoint came from, "
-                f"load it with trust_pickles=True (docs/faults.md, \"What a checkpoint may contain\")")
+            raise CheckpointError(f"{self.where}: " + self.refused.format(module=module, name=name))
         return found
 
     def persistent_load(self, pid):
-        raise CheckpointError(f"{self.where}: a pickle with persistent ids, not written by moepar")
+        raise CheckpointError(f"{self.where}: {self.persistent}")
+
+
+class _LegacyUnpickler(_AllowList):
+    """An entry written by moepar before this format, admitting data constructors only."""
+    refused = ("written by an earlier moepar as a pickle that names {module}.{name}, which loading would call "
+               "(it could run any code). If you trust where this checkpoint came from, load it with "
+               "trust_pickles=True (docs/faults.md, \"What a checkpoint may contain\")")
+    persistent = "a pickle with persistent ids, not written by moepar"
+
+    def __init__(self, file, where: str):
+        super().__init__(file, where, _legacy_classes())
 
 
 def _metadata_classes() -> dict:
@@ -184,23 +194,13 @@ def _metadata_classes() -> dict:
     return allowed
 
 
-class _MetadataUnpickler(pickle.Unpickler):
+class _MetadataUnpickler(_AllowList):
+    refused = ("refused: it names {module}.{name}, which is not one of the classes torch.distributed.checkpoint's "
+               "metadata is made of (unpickling it could run any code); a crafted or foreign file, nothing was loaded")
+    persistent = "refused: a pickle with persistent ids is not DCP metadata"
+
     def __init__(self, file, where: str):
-        super().__init__(file)
-        self.where = where
-        self.allowed = _metadata_classes()
-
-    def find_class(self, module: str, name: str):
-        found = self.allowed.get((module, name))
-        if found is None:
-            raise CheckpointError(
-                f"{self.where}: refused: it names {module}.{name}, which is not one of the classes "
-                f"torch.distributed.checkpoint's metadata is made of (unpickling it could run any code); "
-                f"a crafted or foreign file, nothing was loaded")
-        return found
-
-    def persistent_load(self, pid):
-        raise CheckpointError(f"{self.where}: refused: a pickle with persistent ids is not DCP metadata")
+        super().__init__(file, where, _metadata_classes())
 
 
 class _ServedMetadata(FileSystem):
